@@ -1,0 +1,110 @@
+"""Argument checks shared by every public entry point.
+
+Shape, rank and dtype checks are free: they read tensor metadata only. Value checks (NaN, +inf,
+positive log-probabilities) must read the data, which on an accelerator is a host sync. They
+therefore run when the data already lives on the host (CPU tensors, outside ``torch.compile``)
+and, on accelerators, only when :func:`set_device_value_checks` turned them on for debugging.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import Tensor
+
+_DEVICE_VALUE_CHECKS = False
+
+
+def set_device_value_checks(enabled: bool) -> None:
+    """Also check tensor *values* (NaN, +inf, log-prob > 0) on accelerators.
+
+    Off by default because each check is a device-to-host sync, which the selectors promise not to
+    make. Turn it on while debugging a new integration.
+    """
+    global _DEVICE_VALUE_CHECKS
+    _DEVICE_VALUE_CHECKS = bool(enabled)
+
+
+def _values_checkable(t: Tensor) -> bool:
+    if torch.compiler.is_compiling() or t.device.type == "meta":
+        return False
+    return t.device.type == "cpu" or _DEVICE_VALUE_CHECKS
+
+
+def check_int(name: str, value: object, *, minimum: int = 0) -> int:
+    """Return ``value`` as an int, or raise if it is not an integer >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_probability(name: str, value: object) -> float:
+    """Return ``value`` as a float in [0, 1], or raise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(value).__name__}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+    return float(value)
+
+
+def check_tensor(name: str, value: object, *, rank: int) -> Tensor:
+    """Raise unless ``value`` is a tensor of the given rank."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != rank:
+        raise ValueError(
+            f"{name} must have rank {rank}, got shape {tuple(value.shape)} (rank {value.dim()})"
+        )
+    return value
+
+
+def check_logprobs(name: str, value: object, *, rank: int = 2) -> Tensor:
+    """Check a tensor of log-probabilities: floating, no NaN, no +inf, nothing above 0.
+
+    ``-inf`` is allowed and means "probability 0: never select".
+    """
+    t = check_tensor(name, value, rank=rank)
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor of log-probabilities, got {t.dtype}")
+    if _values_checkable(t) and t.numel() and not bool((t <= 0).all()):
+        if bool(torch.isnan(t).any()):
+            raise ValueError(f"{name} contains NaN; expected log-probabilities in [-inf, 0]")
+        if bool(torch.isposinf(t).any()):
+            raise ValueError(f"{name} contains +inf; expected log-probabilities in [-inf, 0]")
+        worst = float(t.max())
+        raise ValueError(
+            f"{name} contains positive values (max {worst:g}); expected log-probabilities in "
+            "[-inf, 0]"
+        )
+    return t
+
+
+def check_active(active: object, batch: int, device: torch.device) -> Tensor | None:
+    """Check an optional active-row mask: a bool tensor of shape ``[batch]`` on ``device``."""
+    if active is None:
+        return None
+    t = check_tensor("active", active, rank=1)
+    if t.dtype != torch.bool:
+        raise TypeError(f"active must be a bool tensor, got {t.dtype}")
+    if t.shape[0] != batch:
+        raise ValueError(f"active must have shape [{batch}] (one flag per row), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"active is on {t.device} but draft_logprobs is on {device}")
+    return t
+
+
+def check_counts(name: str, value: object, batch: int, device: torch.device) -> Tensor:
+    """Check a per-row integer count tensor of shape ``[batch]``."""
+    t = check_tensor(name, value, rank=1)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if t.shape[0] != batch:
+        raise ValueError(f"{name} must have shape [{batch}], got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if _values_checkable(t) and t.numel() and bool((t < 0).any()):
+        raise ValueError(f"{name} must be >= 0, got min {int(t.min())}")
+    return t

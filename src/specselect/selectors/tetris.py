@@ -1,0 +1,71 @@
+"""TETRIS (Wu et al., ACL 2025): verify the globally best draft tokens of the whole batch."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specselect._checks import check_int
+from specselect.selection import (
+    NEG_INF,
+    Selection,
+    Selector,
+    chain_scores,
+    top_c_mask,
+)
+
+
+class TetrisSelector(Selector):
+    """Draft ``k + extra`` tokens per request, verify the best ``C`` of the whole batch.
+
+    The score of draft token ``j`` of request ``i`` is its cumulative draft log-probability
+    ``sum_{t<=j} log q[i, t]``: the draft's own estimate of the chance that the target accepts the
+    whole prefix. If the scores are calibrated, the expected number of accepted tokens is the sum
+    of the selected scores' probabilities; scores never increase along a request, so the best
+    ``C`` scores form a set of prefixes and the greedy choice is optimal (the paper's Theorem 1).
+
+    Args:
+        k: mean window. The default budget is ``C = k * num_active``, the cost of standard SD.
+        extra: additional tokens drafted per request beyond ``k``, so that easy requests can get
+            longer windows than ``k``.
+        budget: a fixed total ``C`` per step instead of ``k * num_active``.
+
+    Ties (equal scores, e.g. probability-1 tokens) go to shallower positions first, then to lower
+    row indices, which keeps the selection prefix-closed with exactly ``min(C, available)`` tokens.
+    """
+
+    name = "tetris"
+
+    def __init__(self, k: int, extra: int = 2, budget: int | None = None) -> None:
+        self.k = check_int("k", k)
+        self.extra = check_int("extra", extra)
+        self.budget = None if budget is None else check_int("budget", budget)
+
+    def draft_length(self, num_active: int) -> int:
+        check_int("num_active", num_active)
+        return self.k + self.extra
+
+    def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
+        scores = chain_scores(draft_logprobs)
+        rows, width = scores.shape
+        if active is not None:
+            scores = _absorb_inactive(scores, active, self.k if self.budget is None else 0)
+        budget = self.k * rows if self.budget is None else self.budget
+        mask = top_c_mask(scores, budget)
+        if active is not None:
+            mask = mask & active.unsqueeze(1)
+        return Selection(lengths=mask.sum(dim=1), mask=mask)
+
+
+def _absorb_inactive(scores: Tensor, active: Tensor, pad: int) -> Tensor:
+    """Give inactive rows ``pad`` certain (+inf) entries and nothing else.
+
+    The default budget ``k * num_active`` depends on how many rows are active, a device value.
+    Reading it back would be a host sync; instead every inactive row is given ``k`` entries that
+    rank above everything else, so that the static budget ``k * B`` leaves exactly
+    ``k * num_active`` for the active rows. The padding is masked out afterwards.
+    """
+    width = scores.shape[1]
+    pad_cols = torch.arange(width, device=scores.device) < min(pad, width)  # [K]
+    filler = torch.where(pad_cols, float("inf"), NEG_INF).to(scores.dtype)  # [K]
+    return torch.where(active.unsqueeze(1), scores, filler.unsqueeze(0))
