@@ -1,0 +1,65 @@
+"""What a selector may look at when draft tokens are *sampled*: causal scores.
+
+With greedy verification any selection is lossless: the output is the target's argmax whatever
+is verified. With speculative *sampling* it is not. Rejection sampling at draft position ``j``
+is exact only if, given the tokens before ``j``, the token ``x_j`` it verifies is distributed as
+the draft's ``q_j``. A rule that decides whether to verify ``x_j`` by looking at ``q_j(x_j)`` —
+the draft probability of that very token, as TETRIS and confidence thresholds do — verifies the
+likely tokens and replaces the unlikely ones by fresh target samples, which skews the output.
+(With ``q = (.1, .2, .3, .4)``, ``p = (.4, .3, .2, .1)`` and "verify when q(x) >= .3", the
+output frequencies are ``(.42, .19, .26, .13)`` instead of ``p``.)
+
+The fix keeps every selector unchanged and changes what it is fed. The score of position ``j``
+becomes ``sum_{t<j} log q_t(x_t) + log E_{x~q_j}[q_j(x)]``: the realised probabilities of the
+tokens *before* ``j`` (already drawn; deciding on them is a stopping rule, which rejection
+sampling tolerates) and, for ``x_j`` itself, the probability the draft *expects* to give its own
+sample, ``sum_x q_j(x)^2``, which does not depend on which token was drawn. A running minimum
+keeps the scores non-increasing, and :func:`causal_logprobs` returns their increments, which are
+valid log-probabilities (<= 0) whose cumulative sum is that score. Whether position ``j`` is
+among the best ``C`` then depends only on entries that rank above it, none of which depends on
+``x_j``; so TETRIS, thresholds, and every other selector stay lossless on these inputs.
+
+Deterministic drafts (greedy or top-k children) need none of this: a token that is a function of
+its prefix may be judged by its own probability.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def expected_self_logprob(draft_probs: Tensor) -> Tensor:
+    """``log sum_x q(x)^2`` per position: the draft's expected probability of its own sample.
+
+    Args:
+        draft_probs: ``[..., V]`` the (processed) distributions the draft tokens are sampled from.
+
+    Returns:
+        ``[...]`` float32 (or wider), in ``(-inf, 0]``.
+    """
+    q = draft_probs.to(torch.promote_types(draft_probs.dtype, torch.float32))
+    return q.square().sum(dim=-1).clamp(max=1.0).log()
+
+
+def causal_logprobs(token_logprobs: Tensor, expected_logprobs: Tensor) -> Tensor:
+    """Per-position log-scores for sampled drafts that keep any selection lossless.
+
+    Args:
+        token_logprobs: ``[B, K]`` log q of each sampled draft token (``-inf`` allowed).
+        expected_logprobs: ``[B, K]`` :func:`expected_self_logprob` of each position's draft
+            distribution.
+
+    Returns:
+        ``[B, K]`` values <= 0 whose cumulative sum at ``j`` is
+        ``min_{t<=j} (sum_{s<t} token_logprobs[s] + expected_logprobs[t])``. Position ``j``
+        depends only on tokens before ``j``. A ``-inf`` token log-prob at ``j`` makes positions
+        ``> j`` ``-inf`` (nothing after an impossible token can be verified) but not ``j``.
+    """
+    tokens = token_logprobs.to(torch.promote_types(token_logprobs.dtype, torch.float32))
+    before = torch.cat([tokens.new_zeros(tokens.shape[0], 1), tokens.cumsum(dim=1)[:, :-1]], 1)
+    scores = torch.cummin(before + expected_logprobs.to(before.dtype), dim=1).values  # [B, K]
+    previous = torch.cat([scores.new_zeros(scores.shape[0], 1), scores[:, :-1]], dim=1)
+    increments = scores - previous
+    # -inf - -inf is NaN: once the score is -inf, every later increment is -inf too.
+    return torch.where(previous == float("-inf"), float("-inf"), increments).clamp(max=0.0)

@@ -1,0 +1,135 @@
+"""Draft trees: one padded representation for every request of a batch, and its derived buffers.
+
+A batch of draft trees is described by ``parents [B, N]``: node ``j`` of request ``i`` is a
+child of node ``parents[i, j]``, or of the *root* — the last token the target already produced,
+whose token is not part of the tree — when ``parents[i, j] == -1``. Parents always come first
+(``parents[i, j] < j``), so any order that respects indices respects ancestry. Padding nodes
+are ordinary nodes whose draft log-probability is ``-inf``: no selector takes them, and their
+descendants inherit ``-inf`` path scores.
+
+A chain of ``K`` drafted tokens is the tree ``parents[j] = j - 1``; see :func:`chain_parents`.
+
+Everything a target pass and a verifier need is derived once, by :func:`build_tree_buffers`, as
+a few named buffers (the same idea as Medusa's tree buffers, batched and per request):
+
+* ``ancestors [B, N, N]`` bool — ``ancestors[i, j, t]``: node ``t`` is ``j`` or an ancestor of
+  ``j``. It is the attention mask among tree nodes (a node sees itself and its ancestors; every
+  node also sees the root and the cache);
+* ``depth [B, N]`` int64 — 1 for children of the root; position id of a node = root position +
+  depth;
+* ``paths [B, N, D]`` int64 — the root-to-node path of every node (node indices by depth,
+  ``-1`` beyond the node's depth), used to read out the accepted path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specselect._checks import _values_checkable, check_tensor
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    """Derived buffers of a batch of draft trees (see the module docstring)."""
+
+    parents: Tensor  # [B, N] int64, -1 = child of the root
+    ancestors: Tensor  # [B, N, N] bool, ancestor-or-self
+    depth: Tensor  # [B, N] int64, >= 1
+    paths: Tensor  # [B, N, D] int64, -1 padded
+
+    @property
+    def max_depth(self) -> int:
+        return self.paths.shape[2]
+
+    def attention_mask(self) -> Tensor:
+        """``[B, N + 1, N + 1]`` bool mask among the root (column 0) and the tree nodes."""
+        rows, n = self.parents.shape
+        mask = torch.zeros(rows, n + 1, n + 1, dtype=torch.bool, device=self.parents.device)
+        mask[:, :, 0] = True
+        mask[:, 1:, 1:] = self.ancestors
+        return mask
+
+    def path_scores(self, logprobs: Tensor) -> Tensor:
+        """``[B, N]`` sum of log-probabilities along each root-to-node path.
+
+        Args:
+            logprobs: ``[B, N]`` per-node log-probabilities (``-inf`` allowed).
+        """
+        dtype = torch.promote_types(logprobs.dtype, torch.float32)
+        per_ancestor = torch.where(
+            self.ancestors, logprobs.to(dtype).unsqueeze(1), torch.zeros((), dtype=dtype)
+        )  # [B, N, N]: row j holds the log-probs of j's ancestors, 0 elsewhere
+        return per_ancestor.sum(dim=2)
+
+
+def chain_parents(rows: int, width: int, device: torch.device | str = "cpu") -> Tensor:
+    """``[rows, width]`` parents of chains: ``parents[:, j] = j - 1``."""
+    return (torch.arange(width, device=device) - 1).expand(rows, width).contiguous()
+
+
+def check_parents(parents: object, *, rows: int | None = None, width: int | None = None) -> Tensor:
+    """Check that ``parents`` describes a forest hanging from each row's root.
+
+    Raises:
+        TypeError: not an integer tensor.
+        ValueError: wrong shape, a parent index outside ``[-1, j)`` for node ``j`` (a child
+            before its parent, a self-loop, or a cycle all show up this way).
+    """
+    t = check_tensor("parents", parents, rank=2)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"parents must be an integer tensor, got {t.dtype}")
+    if rows is not None and t.shape[0] != rows:
+        raise ValueError(f"parents must have {rows} rows (one tree per request), got {t.shape[0]}")
+    if width is not None and t.shape[1] != width:
+        raise ValueError(f"parents must have {width} columns (one per node), got {t.shape[1]}")
+    if _values_checkable(t) and t.numel():
+        index = torch.arange(t.shape[1], device=t.device)
+        bad = (t < -1) | (t >= index)
+        if bool(bad.any()):
+            row, node = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(
+                f"parents[{row}, {node}] = {int(t[row, node])}: every node's parent must be -1 "
+                f"(the root) or an earlier node in [0, {node}); nodes must come after their "
+                "parents, which also rules out cycles"
+            )
+    return t.to(torch.int64)
+
+
+def build_tree_buffers(parents: Tensor) -> TreeBuffers:
+    """Derive the ancestor mask, depths and root-to-node paths from ``parents`` ``[B, N]``.
+
+    Ancestry is the transitive closure of the parent relation; because parents precede their
+    children, one pass over the nodes in index order suffices: a node's ancestor set is its
+    parent's set plus itself. That is ``N`` small vectorised steps over the batch, with no host
+    sync, for the tree sizes used in speculative decoding (tens of nodes).
+    """
+    parents = check_parents(parents)
+    rows, n = parents.shape
+    device = parents.device
+    eye = torch.eye(n, dtype=torch.bool, device=device)
+    ancestors = eye.expand(rows, n, n).clone()
+    batch = torch.arange(rows, device=device)
+    for j in range(n):
+        parent = parents[:, j]  # [B]
+        inherited = ancestors[batch, parent.clamp(min=0)] & (parent >= 0).unsqueeze(1)  # [B, N]
+        ancestors[:, j] |= inherited
+    depth = ancestors.sum(dim=2)  # [B, N]
+    paths = _paths(ancestors, depth, n)
+    return TreeBuffers(parents=parents, ancestors=ancestors, depth=depth, paths=paths)
+
+
+def _paths(ancestors: Tensor, depth: Tensor, max_depth: int) -> Tensor:
+    """``[B, N, D]``: ``paths[i, j, d]`` is the ancestor of node ``j`` at depth ``d + 1``."""
+    if max_depth == 0:
+        return depth.new_zeros(*depth.shape, 0)
+    levels = torch.arange(1, max_depth + 1, device=depth.device)  # [D]
+    # at_level[i, j, t, d]: node t is an ancestor-or-self of j and sits at depth d + 1
+    at_level = ancestors.unsqueeze(3) & (depth.unsqueeze(1).unsqueeze(3) == levels)
+    found = at_level.any(dim=2)  # [B, N, D]
+    index = at_level.to(torch.int8).argmax(dim=2)  # [B, N, D]
+    return torch.where(found, index, torch.full_like(index, -1))

@@ -1,0 +1,96 @@
+"""Tree representation: derived buffers against a plain-Python walk up the parent links."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specselect.selection import chain_scores
+from specselect.tree import build_tree_buffers, chain_parents, check_parents
+
+
+@st.composite
+def forests(draw: st.DrawFn) -> torch.Tensor:
+    rows = draw(st.integers(1, 3))
+    nodes = draw(st.integers(0, 7))
+    parents = [[draw(st.integers(-1, j - 1)) for j in range(nodes)] for _ in range(rows)]
+    return torch.tensor(parents, dtype=torch.int64).reshape(rows, nodes)
+
+
+def walk_up(parents: list[int], node: int) -> list[int]:
+    """Root-to-node path by following parent links (the reference)."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(forests())
+def test_buffers_match_parent_walk(parents: torch.Tensor) -> None:
+    buffers = build_tree_buffers(parents)
+    rows, nodes = parents.shape
+    for i in range(rows):
+        links = parents[i].tolist()
+        for j in range(nodes):
+            path = walk_up(links, j)
+            assert buffers.depth[i, j] == len(path)
+            assert buffers.paths[i, j, : len(path)].tolist() == path
+            assert (buffers.paths[i, j, len(path) :] == -1).all()
+            expected = torch.zeros(nodes, dtype=torch.bool)
+            expected[path] = True
+            assert torch.equal(buffers.ancestors[i, j], expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(forests(), st.randoms(use_true_random=False))
+def test_path_scores_sum_logprobs_along_the_path(parents: torch.Tensor, rnd) -> None:
+    rows, nodes = parents.shape
+    probs = torch.tensor(
+        [[rnd.choice([0.0, 0.3, 1.0, rnd.random()]) for _ in range(nodes)] for _ in range(rows)],
+        dtype=torch.float64,
+    ).reshape(rows, nodes)
+    scores = build_tree_buffers(parents).path_scores(probs.log())
+    for i in range(rows):
+        for j in range(nodes):
+            expected = torch.prod(probs[i, walk_up(parents[i].tolist(), j)])
+            assert torch.isclose(scores[i, j].exp(), expected, rtol=1e-12, atol=0)
+
+
+def test_chain_is_the_tree_with_parent_j_minus_one() -> None:
+    logprobs = torch.rand(3, 5, dtype=torch.float64).log()
+    buffers = build_tree_buffers(chain_parents(3, 5))
+    assert torch.equal(buffers.depth, torch.arange(1, 6).expand(3, 5))
+    assert torch.allclose(buffers.path_scores(logprobs), chain_scores(logprobs))
+    assert torch.equal(buffers.ancestors[0], torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+def test_attention_mask_adds_the_root_column() -> None:
+    buffers = build_tree_buffers(torch.tensor([[-1, 0, -1]]))
+    expected = torch.tensor(
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool
+    )
+    assert torch.equal(buffers.attention_mask()[0], expected)
+
+
+@pytest.mark.parametrize(
+    ("parents", "error", "match"),
+    [
+        (torch.tensor([[-1, 2, 0]]), ValueError, r"parents\[0, 1\] = 2"),  # child before parent
+        (torch.tensor([[-1, 1]]), ValueError, r"parents\[0, 1\] = 1"),  # self-loop
+        (torch.tensor([[-2, 0]]), ValueError, r"parents\[0, 0\] = -2"),
+        (torch.tensor([-1, 0]), ValueError, "rank 2"),
+        (torch.tensor([[-1.0, 0.0]]), TypeError, "integer tensor"),
+        ([[-1, 0]], TypeError, "torch.Tensor"),
+    ],
+)
+def test_parents_that_are_not_a_forest_are_rejected(parents, error, match) -> None:
+    with pytest.raises(error, match=match):
+        check_parents(parents)
+
+
+def test_parents_shape_must_match_the_batch() -> None:
+    with pytest.raises(ValueError, match="2 rows"):
+        check_parents(torch.tensor([[-1, 0]]), rows=2)
