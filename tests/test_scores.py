@@ -45,8 +45,9 @@ def test_position_j_ignores_the_token_drawn_at_j(drafts, data) -> None:
     changed = token.clone()
     changed[:, j] = data.draw(st.sampled_from([0.0, -0.01, -3.0, float("-inf")]))
     keep = slice(0, j + 1)
-    assert torch.equal(causal_logprobs(token, expected)[:, keep],
-                       causal_logprobs(changed, expected)[:, keep])  # fmt: skip
+    assert torch.equal(
+        causal_logprobs(token, expected)[:, keep], causal_logprobs(changed, expected)[:, keep]
+    )
 
 
 def test_expected_self_logprob_is_log_sum_of_squares() -> None:

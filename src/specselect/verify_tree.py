@@ -1,0 +1,199 @@
+"""Verification of draft trees: greedy path matching and lossless multi-candidate sampling.
+
+The target scores a whole batch of trees in one pass (see :mod:`specselect.tree` for the masks):
+column 0 of its output is the prediction after the root (the last emitted token) and column
+``j + 1`` the prediction after node ``j``. Verification then walks each tree from the root and
+keeps one root-to-node path; the request emits that path plus one target token.
+
+Greedy: a node survives if it is selected, equals the target's argmax after its parent, and so do
+all its ancestors; the deepest survivor (lowest index among equals) ends the accepted path.
+
+Sampling: at the current node, the selected children are tried in index order against a running
+target distribution ``r`` (initially ``p``): child ``x`` proposed from ``q_c`` is accepted with
+probability ``min(1, r(x) / q_c(x))``; a rejection replaces ``r`` by ``norm(max(r - q_c, 0))``.
+If no child is accepted, the next token is drawn from the final ``r``. With ``q_c`` the draft
+distribution at the parent this is SpecInfer's multi-round rejection for children drawn
+independently from ``q``; with ``q_c`` a point mass on the child it is recursive rejection for
+deterministic (top-k) children. Either way the emitted tokens follow the target exactly,
+provided which children are verified does not depend on the values of the sampled children
+(:mod:`specselect.scores`).
+
+Chains are trees too, but :mod:`specselect.verify` decides all chain positions at once without
+this walk, so the chain path keeps its vectorised special case and shares the building blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specselect._checks import check_tensor
+from specselect.sampling import check_generator, compute_dtype, sample_from
+from specselect.tree import TreeBuffers
+from specselect.verify import gather_columns, residual_probs
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    """Outcome of verifying one tree per row.
+
+    Attributes:
+        num_accepted: ``[B]`` int64 accepted draft tokens (the depth of the last accepted node).
+        next_token: ``[B]`` int64 target token emitted after the accepted path.
+        last_node: ``[B]`` int64 index of the last accepted node, ``-1`` for the root.
+        path: ``[B, D]`` int64 accepted node indices by depth, ``-1`` padded.
+    """
+
+    num_accepted: Tensor
+    next_token: Tensor
+    last_node: Tensor
+    path: Tensor
+
+    def accepted_tokens(self, tokens: Tensor) -> Tensor:
+        """``[B, D]`` the accepted draft tokens (``tokens`` ``[B, N]``), ``-1`` padded."""
+        picked = tokens.gather(1, self.path.clamp(min=0))
+        return torch.where(self.path >= 0, picked, torch.full_like(picked, -1))
+
+
+def _verdict(buffers: TreeBuffers, last_node: Tensor, next_token: Tensor) -> TreeVerdict:
+    if buffers.parents.shape[1] == 0:  # empty trees: nothing to accept
+        empty_path = buffers.paths.new_zeros(last_node.shape[0], 0)
+        return TreeVerdict(torch.zeros_like(last_node), next_token, last_node, empty_path)
+    has_node = last_node >= 0
+    node = last_node.clamp(min=0)
+    depth = buffers.depth.gather(1, node.unsqueeze(1)).squeeze(1) * has_node
+    path = buffers.paths[torch.arange(node.shape[0], device=node.device), node]  # [B, D]
+    path = torch.where(has_node.unsqueeze(1), path, torch.full_like(path, -1))
+    return TreeVerdict(depth, next_token, last_node, path)
+
+
+def _check_tree_args(
+    tokens: object, selected: object, buffers: TreeBuffers, target: object, name: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    rows, nodes = buffers.parents.shape
+    tokens = check_tensor("tokens", tokens, rank=2)
+    selected = check_tensor("selected", selected, rank=2)
+    target = check_tensor(name, target, rank=3)
+    if tokens.shape != (rows, nodes):
+        raise ValueError(f"tokens must have shape [{rows}, {nodes}], got {tuple(tokens.shape)}")
+    if selected.shape != (rows, nodes) or selected.dtype != torch.bool:
+        raise ValueError(
+            f"selected must be a bool tensor of shape [{rows}, {nodes}], got "
+            f"{selected.dtype} {tuple(selected.shape)}"
+        )
+    if target.shape[:2] != (rows, nodes + 1):
+        raise ValueError(
+            f"{name} must have shape [{rows}, {nodes + 1}, V] (root + one column per node), "
+            f"got {tuple(target.shape)}"
+        )
+    return tokens.to(torch.int64), selected, target
+
+
+def _deepest(key: Tensor) -> Tensor:  # [B, N] int64, 0 = not a candidate -> [B]
+    """Index of each row's largest positive key, ``-1`` where no key is positive."""
+    if key.shape[1] == 0:
+        return torch.full(key.shape[:1], -1, dtype=torch.int64, device=key.device)
+    best = key.argmax(dim=1)
+    return torch.where(key.gather(1, best.unsqueeze(1)).squeeze(1) > 0, best, -1)
+
+
+def tree_greedy_verify(
+    tokens: Tensor,  # [B, N] int64
+    selected: Tensor,  # [B, N] bool, closed under ancestors
+    buffers: TreeBuffers,
+    target_logits: Tensor,  # [B, N + 1, V]
+) -> TreeVerdict:
+    """Accept the deepest selected path whose every token equals the target's argmax."""
+    tokens, selected, target_logits = _check_tree_args(
+        tokens, selected, buffers, target_logits, "target_logits"
+    )
+    argmax = target_logits.argmax(dim=-1)  # [B, N + 1]
+    expected = argmax.gather(1, buffers.parents + 1)  # [B, N]: prediction after each parent
+    good = selected & (tokens == expected)  # [B, N]
+    # A node survives if none of its ancestors-or-self is bad.
+    survives = ~(buffers.ancestors & ~good.unsqueeze(1)).any(dim=2)  # [B, N]
+    nodes = tokens.shape[1]
+    # Deepest survivor, lowest index among equals: one argmax over a combined key.
+    index = torch.arange(nodes, device=tokens.device)
+    key = torch.where(survives, buffers.depth * (nodes + 1) + (nodes - index), 0)  # [B, N]
+    last = _deepest(key)
+    next_token = argmax.gather(1, (last + 1).unsqueeze(1)).squeeze(1)
+    return _verdict(buffers, last, next_token)
+
+
+def tree_rejection_verify(
+    tokens: Tensor,  # [B, N] int64
+    selected: Tensor,  # [B, N] bool, closed under ancestors
+    buffers: TreeBuffers,
+    draft_probs: Tensor,  # [B, N + 1, V]
+    target_probs: Tensor,  # [B, N + 1, V]
+    *,
+    sampled_children: bool,
+    max_depth: int | None = None,
+    max_children: int | None = None,
+    generator: torch.Generator | None = None,
+) -> TreeVerdict:
+    """Lossless speculative sampling over a tree (see the module docstring).
+
+    Args:
+        tokens: ``[B, N]`` draft token of each node.
+        selected: ``[B, N]`` bool, the nodes the target verified (closed under ancestors).
+        buffers: the trees' :class:`~specselect.tree.TreeBuffers`.
+        draft_probs: ``[B, N + 1, V]`` draft distribution at the root (column 0) and after each
+            node — the distribution that node's children were sampled from. Unused when
+            ``sampled_children`` is False.
+        target_probs: ``[B, N + 1, V]`` target distributions, same columns, warped like the
+            draft's.
+        sampled_children: True if each node's children were drawn independently from the
+            draft distribution at that node; False for deterministic children (e.g. top-k).
+        max_depth: deepest level to walk (static); defaults to ``N``.
+        max_children: most selected children of one node (static); defaults to ``N``.
+        generator: optional ``torch.Generator``.
+    """
+    tokens, selected, target_probs = _check_tree_args(
+        tokens, selected, buffers, target_probs, "target_probs"
+    )
+    check_generator(generator, target_probs.device)
+    rows, nodes = tokens.shape
+    dtype = compute_dtype(target_probs.dtype)
+    depth_limit = nodes if max_depth is None else min(max_depth, nodes)
+    child_limit = nodes if max_children is None else min(max_children, nodes)
+    device = tokens.device
+    batch = torch.arange(rows, device=device)
+
+    current = torch.full((rows,), -1, dtype=torch.int64, device=device)  # last accepted node
+    walking = torch.ones(rows, dtype=torch.bool, device=device)
+    residual = gather_columns(target_probs, current + 1).to(dtype)  # [B, V]
+    for _ in range(depth_limit):
+        children = selected & (buffers.parents == current.unsqueeze(1)) & walking.unsqueeze(1)
+        order = children.to(torch.int64).cumsum(dim=1)  # [B, N] 1-based rank among children
+        moved = torch.zeros_like(walking)
+        for m in range(1, child_limit + 1):
+            is_mth = children & (order == m)  # [B, N] at most one True per row
+            trying = is_mth.any(dim=1) & ~moved  # [B]
+            child = is_mth.to(torch.int8).argmax(dim=1)  # [B]
+            token = tokens[batch, child]  # [B]
+            if sampled_children:
+                proposal = gather_columns(draft_probs, current + 1).to(dtype)  # [B, V]
+            else:
+                proposal = torch.nn.functional.one_hot(token, residual.shape[1]).to(dtype)
+            r_x = residual.gather(1, token.unsqueeze(1)).squeeze(1)
+            q_x = proposal.gather(1, token.unsqueeze(1)).squeeze(1)
+            accept_prob = torch.where(q_x > 0, r_x / q_x, (r_x > 0).to(dtype)).clamp(max=1.0)
+            uniform = torch.rand(rows, generator=generator, device=device, dtype=dtype)
+            accepted = trying & (uniform < accept_prob)
+            rejected = trying & ~accepted
+            residual = torch.where(
+                rejected.unsqueeze(1), residual_probs(residual, proposal), residual
+            )
+            current = torch.where(accepted, child, current)
+            moved = moved | accepted
+        # Rows that accepted a child restart from the target distribution after it.
+        residual = torch.where(
+            moved.unsqueeze(1), gather_columns(target_probs, current + 1).to(dtype), residual
+        )
+        walking = walking & moved
+    next_token = sample_from(residual, generator)
+    return _verdict(buffers, current, next_token)

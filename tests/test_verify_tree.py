@@ -1,0 +1,177 @@
+"""Tree verification: greedy against a reference walk; sampling lossless by chi-square."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chi2
+
+from specselect.tree import build_tree_buffers, chain_parents
+from specselect.verify import greedy_verify
+from specselect.verify_tree import tree_greedy_verify, tree_rejection_verify
+
+ALPHA = 0.001  # significance level of every goodness-of-fit test here
+
+
+def reference_greedy(parents, tokens, selected, argmax) -> tuple[int, int]:
+    """Walk down from the root: take the lowest-index selected child matching the argmax."""
+    node, depth = -1, 0
+    while True:
+        want = argmax[node + 1]
+        match = [
+            j
+            for j in range(len(parents))
+            if parents[j] == node and selected[j] and tokens[j] == want
+        ]
+        if not match:
+            return depth, want
+        node, depth = match[0], depth + 1
+
+
+@st.composite
+def greedy_cases(draw: st.DrawFn):
+    rows, nodes, vocab = draw(st.integers(1, 3)), draw(st.integers(0, 7)), 3
+    parents = torch.tensor(
+        [[draw(st.integers(-1, j - 1)) for j in range(nodes)] for _ in range(rows)],
+        dtype=torch.int64,
+    ).reshape(rows, nodes)
+    tokens = torch.tensor(
+        draw(st.lists(st.integers(0, vocab - 1), min_size=rows * nodes, max_size=rows * nodes))
+    ).reshape(rows, nodes)
+    keep = torch.tensor(
+        draw(st.lists(st.booleans(), min_size=rows * nodes, max_size=rows * nodes)),
+        dtype=torch.bool,
+    )
+    buffers = build_tree_buffers(parents)
+    # Close the random choice under ancestors: a node is selected iff its whole path is kept.
+    keep = keep.reshape(rows, nodes)
+    selected = ~(buffers.ancestors & ~keep.unsqueeze(1)).any(dim=2)
+    logits = torch.randn(
+        rows, nodes + 1, vocab, generator=torch.Generator().manual_seed(draw(st.integers(0, 99)))
+    )
+    return parents, tokens, selected, logits
+
+
+@settings(max_examples=80, deadline=None)
+@given(greedy_cases())
+def test_greedy_matches_reference_walk(case) -> None:
+    parents, tokens, selected, logits = case
+    verdict = tree_greedy_verify(tokens, selected, build_tree_buffers(parents), logits)
+    argmax = logits.argmax(-1)
+    for i in range(parents.shape[0]):
+        depth, nxt = reference_greedy(
+            parents[i].tolist(), tokens[i].tolist(), selected[i].tolist(), argmax[i].tolist()
+        )
+        assert (int(verdict.num_accepted[i]), int(verdict.next_token[i])) == (depth, nxt)
+        path = [j for j in verdict.path[i].tolist() if j >= 0]
+        assert len(path) == depth
+        assert all(selected[i, j] for j in path)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(0, 6), st.integers(0, 999))
+def test_greedy_on_a_chain_equals_chain_verification(rows, width, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 3, (rows, width), generator=gen)
+    logits = torch.randn(rows, width + 1, 3, generator=gen)
+    lengths = torch.randint(0, width + 1, (rows,), generator=gen)
+    selected = torch.arange(width) < lengths.unsqueeze(1)
+    verdict = tree_greedy_verify(
+        tokens, selected, build_tree_buffers(chain_parents(rows, width)), logits
+    )
+    accepted, nxt = greedy_verify(tokens, lengths, logits)
+    assert torch.equal(verdict.num_accepted, accepted)
+    assert torch.equal(verdict.next_token, nxt)
+
+
+# A depth-2 tree with two children per node: root -> {0, 1}; 0 -> {2, 3}; 1 -> {4, 5}.
+PARENTS = [-1, -1, 0, 0, 1, 1]
+
+
+def _sampled_tree_step(sampled: bool, selected_nodes: list[int], rows: int, seed: int):
+    """Draft one tree per row, verify it, return the first two emitted tokens and the target."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 4
+    p_root = torch.softmax(2 * torch.randn(vocab, generator=gen), -1)
+    q_root = torch.softmax(2 * torch.randn(vocab, generator=gen), -1)
+    p_next = torch.softmax(2 * torch.randn(vocab, vocab, generator=gen), -1)  # given last token
+    q_next = torch.softmax(2 * torch.randn(vocab, vocab, generator=gen), -1)
+    if sampled:
+        first = torch.multinomial(q_root.expand(rows, vocab), 2, True, generator=gen)  # [B, 2]
+        second = torch.multinomial(q_next[first.reshape(-1)], 2, True, generator=gen)
+    else:  # deterministic top-2 children
+        first = q_root.topk(2).indices.expand(rows, 2)
+        second = q_next[first.reshape(-1)].topk(2).indices
+    tokens = torch.cat([first, second.reshape(rows, 4)], dim=1)  # [B, 6] in PARENTS order
+    parents = torch.tensor(PARENTS).expand(rows, 6)
+    buffers = build_tree_buffers(parents)
+    root_q, root_p = q_root.expand(rows, 1, vocab), p_root.expand(rows, 1, vocab)
+    draft_probs = torch.cat([root_q, q_next[tokens]], dim=1)  # [B, 7, V]
+    target_probs = torch.cat([root_p, p_next[tokens]], dim=1)
+    selected = torch.zeros(rows, 6, dtype=torch.bool)
+    selected[:, selected_nodes] = True
+    verdict = tree_rejection_verify(
+        tokens,
+        selected,
+        buffers,
+        draft_probs,
+        target_probs,
+        sampled_children=sampled,
+        max_depth=2,
+        max_children=2,
+        generator=gen,
+    )
+    emitted = torch.cat([verdict.accepted_tokens(tokens), verdict.next_token.unsqueeze(1)], 1)
+    # Put the next token right after the accepted path, then read the first two tokens; a row
+    # that emitted one token continues with a plain target sample, as the next step would.
+    t1 = torch.where(verdict.num_accepted >= 1, emitted[:, 0], verdict.next_token)
+    t2 = torch.where(
+        verdict.num_accepted >= 2,
+        emitted[:, 1],
+        torch.where(
+            verdict.num_accepted == 1,
+            verdict.next_token,
+            torch.multinomial(p_next[t1], 1, generator=gen).squeeze(1),
+        ),
+    )
+    joint = (p_root.unsqueeze(1) * p_next).reshape(-1)  # [V * V]
+    return t1 * vocab + t2, joint, verdict
+
+
+@pytest.mark.parametrize("sampled", [True, False], ids=["sampled-children", "top-k-children"])
+@pytest.mark.parametrize("selected_nodes", [[0, 1, 2, 3, 4, 5], [0, 1, 2], [0], []])
+def test_tree_sampling_is_lossless(sampled: bool, selected_nodes: list[int]) -> None:
+    pairs, joint, _ = _sampled_tree_step(sampled, selected_nodes, rows=60_000, seed=1)
+    counts = torch.bincount(pairs, minlength=joint.numel()).double()
+    expected = joint.double() * counts.sum()
+    keep = expected > 5  # chi-square needs expected counts >= 5; pool the rest
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    rest_c, rest_e = counts[~keep].sum(), expected[~keep].sum()
+    if rest_e > 0:
+        stat = stat + (rest_c - rest_e) ** 2 / rest_e
+    dof = int(keep.sum()) + int(rest_e > 0) - 1
+    assert chi2.sf(float(stat), dof) > ALPHA
+
+
+def test_more_children_accept_more() -> None:
+    """Multi-candidate verification must actually use the extra candidates."""
+    one = _sampled_tree_step(True, [0, 2], rows=20_000, seed=2)[2].num_accepted.float().mean()
+    all_ = _sampled_tree_step(True, list(range(6)), rows=20_000, seed=2)[2]
+    assert all_.num_accepted.float().mean() > one + 0.05
+
+
+def test_bad_shapes_are_rejected() -> None:
+    buffers = build_tree_buffers(chain_parents(2, 3))
+    with pytest.raises(ValueError, match="target_logits must have shape"):
+        tree_greedy_verify(
+            torch.zeros(2, 3, dtype=torch.long),
+            torch.ones(2, 3, dtype=torch.bool),
+            buffers,
+            torch.zeros(2, 3, 5),
+        )
+    with pytest.raises(ValueError, match="selected must be a bool tensor"):
+        tree_greedy_verify(
+            torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), buffers, torch.zeros(2, 4, 5)
+        )
