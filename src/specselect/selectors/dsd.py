@@ -1,0 +1,192 @@
+"""Dynamic speculative decoding (DSD): one window for the whole batch, chosen for goodput.
+
+Liu et al. 2024 ("Optimizing speculative decoding for serving LLMs using goodput") pick the
+window that maximises *goodput* — expected emitted tokens per second — from an estimate of the
+acceptance rate and a model of how draft and verification time grow with the batch and the
+window. With a per-token acceptance probability ``alpha``, a request that verifies ``k`` draft
+tokens emits ``1 + alpha + ... + alpha^k`` tokens in expectation (the accepted prefix plus the
+target's own token), so a batch of ``B`` requests emits ``B * (1 - alpha^(k+1)) / (1 - alpha)``
+per step, at a cost of ``k`` draft passes and one target pass over ``B * (k + 1)`` tokens.
+
+Host syncs. ``select`` and ``update`` never read device values: the acceptance estimate is an
+exponential moving average kept as a 0-dim tensor on the feedback's device and updated there
+every step (the recurrence is linear, so nothing has to be read to advance it). The window is
+a Python int, so choosing it needs ``alpha`` on the host: :meth:`DSDSelector.draft_length`
+reads the device estimate back once every ``interval`` steps (one scalar sync, the only one) and
+in between re-optimises from that cached value for the current number of active requests, which
+is pure host arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+from specselect._checks import check_int, check_probability
+from specselect.cost import CostModel
+from specselect.selection import Selection, Selector, available_lengths, mask_inactive
+
+EMA_DECAY = 0.85  # weight of the previous estimate; the step's observation gets 1 - EMA_DECAY
+
+
+def expected_emitted(alpha: float, k: int) -> float:
+    """Expected tokens one request emits when it verifies ``k`` draft tokens.
+
+    Each draft token is accepted independently with probability ``alpha`` until the first
+    rejection, and the target always adds one token, so the expectation is the geometric sum
+    ``1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)``. Summing the series directly
+    gives the ``alpha -> 1`` limit ``k + 1`` without a division by ``1 - alpha``, and is exact
+    enough for the small windows used in practice.
+    """
+    return math.fsum(alpha**i for i in range(k + 1))
+
+
+def dsd_goodput(
+    alpha: float, k: int, batch: int, cost_model: CostModel, context: float = 512.0
+) -> float:
+    """Modelled goodput (emitted tokens per second) of window ``k`` for ``batch`` requests.
+
+    Time of one step: ``k`` draft passes (``cost_model.draft_time(batch, k, context)``) plus one
+    target pass over ``batch * (k + 1)`` tokens — exactly :meth:`CostModel.step_time` with
+    ``verified = batch * k``. A step that the model says is free has infinite goodput.
+    """
+    seconds = cost_model.step_time(batch, k, batch * k, context)
+    emitted = batch * expected_emitted(alpha, k)
+    return emitted / seconds if seconds > 0 else math.inf
+
+
+def best_window(
+    alpha: float, batch: int, max_k: int, cost_model: CostModel, context: float = 512.0
+) -> int:
+    """The window in ``0..max_k`` with the largest modelled goodput (the smallest on ties).
+
+    Preferring the smallest window among equals spends no draft work that the model says does
+    not pay. With no active request there is nothing to draft: the window is 0.
+    """
+    if batch == 0:
+        return 0
+    best_k, best = 0, -math.inf
+    for k in range(max_k + 1):
+        value = dsd_goodput(alpha, k, batch, cost_model, context)
+        if value > best:
+            best_k, best = k, value
+    return best_k
+
+
+def ema_step(
+    alpha: Tensor,  # [] floating: current estimate
+    verified: Tensor,  # [] int: draft tokens verified this step
+    accepted: Tensor,  # [] int: draft tokens accepted this step
+) -> Tensor:
+    """One EMA update ``alpha <- 0.85 * alpha + 0.15 * accepted / verified``, on device.
+
+    A step that verified nothing observed nothing (the batch window was 0, or no row was
+    active), so the estimate is kept rather than pulled towards an undefined ratio. ``where``
+    instead of an ``if`` keeps this free of host syncs.
+    """
+    observed = accepted.to(alpha.dtype) / verified.clamp(min=1).to(alpha.dtype)
+    blended = EMA_DECAY * alpha + (1.0 - EMA_DECAY) * observed
+    return torch.where(verified > 0, blended, alpha)
+
+
+class DSDSelector(Selector):
+    """One window for the whole batch, re-chosen from feedback to maximise modelled goodput.
+
+    Every step the selector verifies ``min(window, available)`` tokens of every active request,
+    where ``window`` maximises :func:`dsd_goodput` for the current number of active requests and
+    the acceptance estimate ``alpha``. ``alpha`` is an exponential moving average of the
+    per-step acceptance ``accepted / verified`` (``alpha <- 0.85 * alpha + 0.15 * observed``),
+    starting at ``alpha0``.
+
+    The estimate is read back to the host at the first call of :meth:`draft_length` and then
+    every ``interval`` calls (one scalar device-to-host copy each time; see the module
+    docstring). Between reads the window only changes when the number of active requests does.
+
+    If the chosen window is 0 nothing is verified, so no feedback arrives and the estimate —
+    hence the window — stays put until :meth:`reset`: the selector has decided that speculation
+    does not pay for this pair and cost model.
+
+    Args:
+        max_k: largest window considered.
+        cost_model: timing model; the default :class:`CostModel` resembles a 7B target with a
+            small draft on one GPU. Fit one to your deployment with :meth:`CostModel.fit`.
+        interval: steps between two reads of the acceptance estimate.
+        alpha0: initial acceptance estimate, in ``[0, 1]``.
+        context: mean context length passed to the cost model.
+    """
+
+    name = "dsd"
+
+    def __init__(
+        self,
+        max_k: int = 8,
+        cost_model: CostModel | None = None,
+        interval: int = 20,
+        alpha0: float = 0.7,
+        context: float = 512.0,
+    ) -> None:
+        self.max_k = check_int("max_k", max_k)
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise TypeError(
+                f"cost_model must be a specselect.cost.CostModel or None, "
+                f"got {type(cost_model).__name__}"
+            )
+        self.cost_model = CostModel() if cost_model is None else cost_model
+        self.interval = check_int("interval", interval, minimum=1)
+        self.alpha0 = check_probability("alpha0", alpha0)
+        self.context = _check_context(context)
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to ``alpha0``; the next :meth:`draft_length` re-chooses the window."""
+        self._alpha: Tensor | None = None  # device EMA, created by the first update
+        self._alpha_host = self.alpha0  # the value the window is currently chosen from
+        self._calls = 0  # draft_length calls since reset
+        self._window: int | None = None  # the last window returned by draft_length
+
+    def draft_length(self, num_active: int) -> int:
+        """The goodput-optimal window for ``num_active`` requests.
+
+        Reads the device acceptance estimate back at the first call and every ``interval``-th
+        call after it: the one host sync of this selector.
+        """
+        check_int("num_active", num_active)
+        if self._calls % self.interval == 0 and self._alpha is not None:
+            self._alpha_host = float(self._alpha)  # the documented periodic sync
+        self._calls += 1
+        self._window = best_window(
+            self._alpha_host, num_active, self.max_k, self.cost_model, self.context
+        )
+        return self._window
+
+    def acceptance_estimate(self) -> float:
+        """The current EMA of the acceptance rate (reads the device value: a sync; diagnostics)."""
+        return self.alpha0 if self._alpha is None else float(self._alpha)
+
+    def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
+        rows, width = draft_logprobs.shape
+        window = self._window
+        if window is None:  # select before any draft_length: assume every row is active
+            window = best_window(self._alpha_host, rows, self.max_k, self.cost_model, self.context)
+        lengths = available_lengths(draft_logprobs).clamp(max=window)
+        return Selection.from_lengths(mask_inactive(lengths, active), width)
+
+    def _update(self, selection: Selection, num_accepted: Tensor) -> None:
+        device = num_accepted.device
+        alpha = self._alpha
+        if alpha is None:
+            # ``full`` fills on the device; ``torch.tensor`` would copy from the host (a sync).
+            alpha = torch.full((), self.alpha0, dtype=torch.float64, device=device)
+        self._alpha = ema_step(alpha.to(device), selection.lengths.sum(), num_accepted.sum())
+
+
+def _check_context(value: object) -> float:
+    """``context`` must be a finite real >= 0 (a mean number of tokens in the cache)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"context must be a float >= 0, got {type(value).__name__}")
+    if not math.isfinite(float(value)) or value < 0:
+        raise ValueError(f"context must be a finite float >= 0, got {value}")
+    return float(value)

@@ -1,0 +1,76 @@
+"""Confidence threshold: each request keeps its draft tokens until the draft becomes unsure.
+
+This is the rule behind HF's ``assistant_confidence_threshold`` and the DISCO family of dynamic
+draft lengths: a token the draft itself finds unlikely is likely to be rejected, and so is
+everything after it, so verification stops before it. Unlike TETRIS there is no budget: each
+request is judged alone, so the number of verified tokens per step varies with the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specselect._checks import check_int, check_probability
+from specselect.selection import Selection, Selector, available_lengths, mask_inactive
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def confident_prefix(
+    draft_logprobs: Tensor,  # [B, K] log q of each drafted token
+    log_threshold: float,
+) -> Tensor:
+    """``[B]`` int64: drafted tokens before the first one with ``log q < log_threshold``.
+
+    ``log_threshold`` is a Python scalar (no host-to-device copy, no sync), ideally exact in the
+    input's dtype (see :func:`dtype_log_threshold`). A ``log_threshold`` of ``-inf`` (threshold
+    0) keeps every token here, ``-inf`` log-probabilities included; callers combine the result
+    with :func:`~specselect.selection.available_lengths`.
+    """
+    confident = draft_logprobs >= log_threshold
+    return confident.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def dtype_log_threshold(threshold: float, dtype: torch.dtype) -> float:
+    """``log(threshold)`` computed in ``dtype`` on the CPU, returned as an exact Python float.
+
+    A caller holding probabilities in ``dtype`` gets ``log q`` of the probability *rounded to*
+    ``dtype``; ``math.log(threshold)`` rounded to ``dtype`` differs from that for about one
+    threshold in five, and a token exactly at the threshold would then be dropped.
+    """
+    return float(torch.tensor(threshold, dtype=dtype).log())
+
+
+class ThresholdSelector(Selector):
+    """Draft ``max_k`` tokens; verify each request's prefix of tokens with ``q >= threshold``.
+
+    A token whose draft probability equals the threshold is kept. ``threshold = 0`` verifies
+    every available token (standard SD with window ``max_k``); ``threshold = 1`` verifies only
+    tokens the draft was certain of.
+
+    Args:
+        max_k: tokens drafted per request, and the most any request verifies.
+        threshold: smallest draft probability a verified token may have, in ``[0, 1]``.
+    """
+
+    name = "threshold"
+
+    def __init__(self, max_k: int, threshold: float) -> None:
+        self.max_k = check_int("max_k", max_k)
+        self.threshold = check_probability("threshold", threshold)
+        # Host-side, once: ``select`` then only looks the value up (compiles without breaks).
+        self._log_thresholds = {dt: dtype_log_threshold(self.threshold, dt) for dt in FLOAT_DTYPES}
+
+    def draft_length(self, num_active: int) -> int:
+        check_int("num_active", num_active)
+        return self.max_k
+
+    def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
+        dtype = draft_logprobs.dtype
+        log_threshold = self._log_thresholds.get(dtype)
+        if log_threshold is None:  # a rarer floating dtype: computed on the host, no device read
+            log_threshold = dtype_log_threshold(self.threshold, dtype)
+        confident = confident_prefix(draft_logprobs, log_threshold)
+        lengths = torch.minimum(available_lengths(draft_logprobs), confident).clamp(max=self.max_k)
+        return Selection.from_lengths(mask_inactive(lengths, active), draft_logprobs.shape[1])
