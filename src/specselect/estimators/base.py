@@ -1,0 +1,98 @@
+"""Acceptance estimators: from draft log-probabilities to estimated acceptance probabilities.
+
+TETRIS ranks draft tokens by cumulative draft probability, which is only a proxy for what it
+needs: the probability that the target accepts each token given that its predecessors were
+accepted. Small or briefly trained drafts are badly under-confident (on the shipped pair,
+tokens drafted with probability 0.2 are accepted most of the time), and a ranking built on the
+proxy can do worse than standard SD. An estimator learns the mapping online, from the
+verification outcomes every step already produces, with no offline training.
+
+Every estimator works on device tensors, costs O(B·K) per step, and never reads a value back to
+the host. Per-request state lives in ``[B]`` tensors indexed by batch slot; :meth:`reset_rows`
+clears the slots that were handed to new requests.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+from torch import Tensor
+
+from specselect._checks import check_tensor
+from specselect.selection import Selection
+
+EPS = 1e-4  # estimates are kept in [EPS, 1 - EPS]: log(0) would forbid a token forever
+
+
+def observed_outcomes(
+    lengths: Tensor,  # [B] int64 selected tokens per row
+    num_accepted: Tensor,  # [B] int accepted tokens per row
+    width: int,
+) -> tuple[Tensor, Tensor]:  # ([B, K] bool, [B, K] bool)
+    """Which draft positions were tested by the target this step, and which passed.
+
+    Position ``j`` of row ``i`` is *tested* if it was selected and everything before it was
+    accepted (``j <= num_accepted[i] < lengths[i]``, or ``j < lengths[i]`` when all passed). It
+    *passed* if ``j < num_accepted[i]``. Positions after the first rejection say nothing about
+    acceptance given an accepted prefix, so they are not observations.
+    """
+    positions = torch.arange(width, device=lengths.device).unsqueeze(0)  # [1, K]
+    accepted = num_accepted.to(torch.int64).unsqueeze(1)  # [B, 1]
+    tested = (positions <= accepted) & (positions < lengths.unsqueeze(1))
+    return tested, positions < accepted
+
+
+class AcceptanceEstimator(abc.ABC):
+    """Estimates ``log P(token j accepted | tokens < j accepted)`` for each draft token."""
+
+    name: str = "estimator"
+
+    @abc.abstractmethod
+    def estimate(self, draft_logprobs: Tensor) -> Tensor:
+        """``[B, K]`` draft log-probs → ``[B, K]`` estimated log acceptance probabilities.
+
+        ``-inf`` inputs stay ``-inf`` (never selectable); everything else is finite and <= 0.
+        """
+
+    def observe(self, draft_logprobs: Tensor, selection: Selection, num_accepted: Tensor) -> None:
+        """Learn from one step: the draft log-probs it estimated, what was selected, and the
+        accepted counts ``[B]``."""
+        tested, passed = observed_outcomes(selection.lengths, num_accepted, draft_logprobs.shape[1])
+        self._learn(draft_logprobs, tested, passed)
+
+    @abc.abstractmethod
+    def _learn(self, draft_logprobs: Tensor, tested: Tensor, passed: Tensor) -> None:
+        """Update from ``[B, K]`` log-probs and ``[B, K]`` bool tested / passed masks."""
+
+    def reset(self) -> None:  # noqa: B027
+        """Forget everything learned (a new generation)."""
+
+    def reset_rows(self, rows: Tensor) -> None:  # noqa: B027
+        """Forget per-request state of ``rows`` (``[B]`` bool); shared state is kept."""
+
+
+class DraftProbability(AcceptanceEstimator):
+    """The paper's estimate: the draft probability itself. Learns nothing."""
+
+    name = "draft"
+
+    def estimate(self, draft_logprobs: Tensor) -> Tensor:
+        return draft_logprobs
+
+    def _learn(self, draft_logprobs: Tensor, tested: Tensor, passed: Tensor) -> None:
+        pass
+
+
+def clamp_log(p: Tensor, finite: Tensor) -> Tensor:
+    """``log p`` with ``p`` clamped to ``[EPS, 1 - EPS]``; ``-inf`` where not ``finite``."""
+    return torch.where(finite, p.clamp(EPS, 1 - EPS).log(), float("-inf"))
+
+
+def check_rows(rows: object, batch: int) -> Tensor:
+    t = check_tensor("rows", rows, rank=1)
+    if t.dtype != torch.bool or t.shape[0] != batch:
+        raise ValueError(
+            f"rows must be a bool tensor of shape [{batch}], got {t.dtype} {tuple(t.shape)}"
+        )
+    return t

@@ -1,0 +1,90 @@
+"""Online calibration of the draft probability, per draft position."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specselect._checks import check_int
+from specselect.estimators.base import AcceptanceEstimator, clamp_log
+
+
+def _check_unit(name: str, value: float, *, closed_low: bool) -> float:
+    value = float(value)
+    low_ok = value >= 0 if closed_low else value > 0
+    if not (low_ok and value <= 1):
+        raise ValueError(f"{name} must be in {'[' if closed_low else '('}0, 1], got {value}")
+    return value
+
+
+class CalibratedDraft(AcceptanceEstimator):
+    """Acceptance rate observed for draft tokens of similar probability at the same position.
+
+    Draft probabilities ``q`` are cut into ``bins`` equal-width bins; positions ``>= positions - 1``
+    share the last position bucket. Each (position, bin) cell keeps exponentially decayed counts of
+    tested and accepted tokens; its estimate is the accepted fraction, shrunk towards the bin's
+    own ``q`` by ``prior`` pseudo-observations, so that it starts as the raw draft probability and
+    moves to the observed rate as evidence arrives. A running maximum over bins keeps the
+    estimate non-decreasing in ``q``: a more confident token is never ranked below a less
+    confident one at the same position.
+
+    Args:
+        bins: number of probability bins.
+        positions: number of position buckets.
+        prior: pseudo-observations at the bin's own probability.
+        decay: per-step factor on all counts (1 = never forget).
+    """
+
+    name = "calibrated"
+
+    def __init__(
+        self, bins: int = 10, positions: int = 8, prior: float = 4.0, decay: float = 0.995
+    ) -> None:
+        self.bins = check_int("bins", bins, minimum=1)
+        self.positions = check_int("positions", positions, minimum=1)
+        if not prior > 0:
+            raise ValueError(f"prior must be > 0, got {prior}")
+        self.prior = float(prior)
+        self.decay = _check_unit("decay", decay, closed_low=False)
+        self.reset()
+
+    def reset(self) -> None:
+        self._hits: Tensor | None = None  # [P, bins] decayed accepted counts
+        self._trials: Tensor | None = None  # [P, bins] decayed tested counts
+
+    def _cells(self, draft_logprobs: Tensor) -> Tensor:  # [B, K] -> [B, K] flat cell index
+        width = draft_logprobs.shape[1]
+        position = torch.arange(width, device=draft_logprobs.device).clamp(max=self.positions - 1)
+        q = draft_logprobs.exp().nan_to_num(0.0)
+        column = (q * self.bins).to(torch.int64).clamp(0, self.bins - 1)
+        return position.unsqueeze(0) * self.bins + column
+
+    def _state(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        if self._hits is None or self._trials is None or self._hits.device != device:
+            shape = (self.positions * self.bins,)
+            self._hits = torch.zeros(shape, dtype=torch.float32, device=device)
+            self._trials = torch.zeros(shape, dtype=torch.float32, device=device)
+        return self._hits, self._trials
+
+    def table(self, device: torch.device | str = "cpu") -> Tensor:
+        """``[positions, bins]`` current estimates (monotone in the bin)."""
+        hits, trials = self._state(torch.device(device))
+        centers = (torch.arange(self.bins, device=hits.device) + 0.5) / self.bins  # [bins]
+        prior = centers.repeat(self.positions)  # [P * bins]
+        rate = (hits + self.prior * prior) / (trials + self.prior)
+        return torch.cummax(rate.view(self.positions, self.bins), dim=1).values
+
+    def probabilities(self, draft_logprobs: Tensor) -> Tensor:
+        """``[B, K]`` calibrated acceptance probabilities (for other estimators to build on)."""
+        table = self.table(draft_logprobs.device).reshape(-1)
+        return table[self._cells(draft_logprobs)]
+
+    def estimate(self, draft_logprobs: Tensor) -> Tensor:
+        finite = draft_logprobs > float("-inf")
+        return clamp_log(self.probabilities(draft_logprobs), finite)
+
+    def _learn(self, draft_logprobs: Tensor, tested: Tensor, passed: Tensor) -> None:
+        hits, trials = self._state(draft_logprobs.device)
+        cells = self._cells(draft_logprobs).reshape(-1)
+        hits.mul_(self.decay).index_add_(0, cells, (tested & passed).reshape(-1).to(hits.dtype))
+        trials.mul_(self.decay).index_add_(0, cells, tested.reshape(-1).to(trials.dtype))

@@ -1,0 +1,171 @@
+"""Acceptance estimators: convergence on synthetic streams, per-request resets, the guard."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from specselect import Selection
+from specselect.estimators import (
+    ESTIMATORS,
+    CalibratedDraft,
+    DraftProbability,
+    RankingGuard,
+    RequestHistory,
+    observed_outcomes,
+)
+
+ROWS, WIDTH = 32, 6
+
+
+def run_stream(
+    estimator,
+    acceptance: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    steps: int,
+    seed: int = 0,
+    guard: RankingGuard | None = None,
+) -> torch.Generator:
+    """Feed ``steps`` verification outcomes drawn from a known acceptance model.
+
+    ``acceptance(q, rows)`` gives the true probability that a token of draft probability ``q`` is
+    accepted given its predecessors were, for each row; every position is selected, so the
+    estimator sees exactly the censoring a real loop produces (nothing after a rejection).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.arange(ROWS)
+    for _ in range(steps):
+        logprobs = torch.rand(ROWS, WIDTH, generator=gen).clamp(min=1e-3).log()
+        estimates = estimator.estimate(logprobs)
+        accept = torch.rand(ROWS, WIDTH, generator=gen) < acceptance(logprobs.exp(), rows)
+        num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
+        selection = Selection.from_lengths(torch.full((ROWS,), WIDTH), WIDTH)
+        estimator.observe(logprobs, selection, num_accepted)
+        if guard is not None:
+            guard.observe(estimates, *observed_outcomes(selection.lengths, num_accepted, WIDTH))
+    return gen
+
+
+def under_confident(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return 0.4 + 0.6 * q  # like the shipped pair: low-probability drafts are often accepted
+
+
+def calibration_error(estimator, truth) -> float:
+    """Mean absolute error of the estimates over a fresh batch of draft probabilities."""
+    q = torch.linspace(0.01, 0.99, 99).unsqueeze(1).expand(99, WIDTH)  # every q, every position
+    estimated = estimator.estimate(q.log()).exp()
+    return float((estimated - truth(q)).abs().mean())
+
+
+def test_observed_outcomes_stop_at_the_first_rejection() -> None:
+    tested, passed = observed_outcomes(torch.tensor([3, 3, 0, 2]), torch.tensor([1, 3, 0, 2]), 4)
+    assert tested.tolist() == [
+        [True, True, False, False],  # accepted 1 of 3: position 1 was the rejection
+        [True, True, True, False],  # all 3 accepted
+        [False, False, False, False],  # nothing selected
+        [True, True, False, False],
+    ]
+    assert passed.tolist()[0] == [True, False, False, False]
+
+
+@pytest.mark.parametrize("cls", [CalibratedDraft, RequestHistory])
+def test_estimators_converge_to_the_true_acceptance(cls) -> None:
+    estimator = cls()
+    before = calibration_error(estimator, lambda q: under_confident(q, torch.arange(len(q))))
+    run_stream(estimator, under_confident, steps=400)
+    after = calibration_error(estimator, lambda q: under_confident(q, torch.arange(len(q))))
+    assert before > 0.15  # the raw draft probability is far off (0.2 in expectation)
+    assert after < 0.05  # stated bound after 400 steps of 32 requests
+
+
+def test_request_history_separates_easy_and_hard_requests() -> None:
+    """Same draft probabilities, different requests: the history must tell them apart."""
+
+    def by_row(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        easy = (rows % 2 == 0).unsqueeze(1)
+        return torch.where(easy, 0.9, 0.3).expand_as(q)
+
+    history = RequestHistory()
+    run_stream(history, by_row, steps=300)
+    q = torch.full((ROWS, WIDTH), 0.5).log()
+    estimates = history.estimate(q).exp()[:, 0]
+    assert estimates[0::2].mean() > estimates[1::2].mean() + 0.3
+    calibrated = CalibratedDraft()
+    run_stream(calibrated, by_row, steps=300)
+    same = calibrated.estimate(q).exp()[:, 0]
+    assert torch.allclose(same[0::2], same[1::2])  # token-level calibration cannot see it
+
+
+def test_reset_rows_forgets_only_those_requests() -> None:
+    def by_row(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return torch.where((rows < ROWS // 2).unsqueeze(1), 0.95, 0.05).expand_as(q)
+
+    history = RequestHistory()
+    run_stream(history, by_row, steps=100)
+    q = torch.full((ROWS, WIDTH), 0.5).log()
+    before = history.estimate(q).exp()[:, 0]
+    refilled = torch.zeros(ROWS, dtype=torch.bool)
+    refilled[0] = True  # slot 0 now holds a new request
+    history.reset_rows(refilled)
+    after = history.estimate(q).exp()[:, 0]
+    assert after[0] < before[0] - 0.1  # its strong history is gone
+    assert torch.equal(after[1:], before[1:])
+
+
+def test_guard_falls_back_when_draft_probabilities_carry_no_signal() -> None:
+    def no_signal(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(q, 0.7)
+
+    guard = RankingGuard()
+    run_stream(DraftProbability(), no_signal, steps=200, guard=guard)
+    assert abs(float(guard.auc()) - 0.5) < 0.05
+    assert not bool(guard.trusted())
+
+    informative = RankingGuard()
+    run_stream(DraftProbability(), under_confident, steps=200, guard=informative)
+    assert float(informative.auc()) > 0.6
+    assert bool(informative.trusted())
+
+
+def test_guard_needs_evidence_before_trusting() -> None:
+    guard = RankingGuard(min_observations=10_000)
+    run_stream(DraftProbability(), under_confident, steps=20, guard=guard)
+    assert float(guard.auc()) > 0.6 and not bool(guard.trusted())
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_estimates_keep_minus_inf_and_stay_log_probabilities(name: str) -> None:
+    estimator = ESTIMATORS[name]()
+    logprobs = torch.tensor([[-0.1, -2.0, float("-inf")], [0.0, -30.0, -1.0]])
+    out = estimator.estimate(logprobs)
+    assert out.shape == logprobs.shape
+    assert torch.equal(out == float("-inf"), logprobs == float("-inf"))
+    assert (out <= 0).all()
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_estimators_run_on_meta_tensors(name: str) -> None:
+    """Nothing reads a value back: the whole step runs on tensors without data."""
+    estimator = ESTIMATORS[name]()
+    logprobs = torch.empty(4, 5, device="meta")
+    estimator.estimate(logprobs)
+    selection = Selection.from_lengths(torch.empty(4, dtype=torch.int64, device="meta"), 5)
+    estimator.observe(logprobs, selection, torch.empty(4, dtype=torch.int64, device="meta"))
+    estimator.reset_rows(torch.empty(4, dtype=torch.bool, device="meta"))
+
+
+@pytest.mark.parametrize(
+    ("factory", "match"),
+    [
+        (lambda: CalibratedDraft(bins=0), "bins"),
+        (lambda: CalibratedDraft(decay=1.5), "decay"),
+        (lambda: CalibratedDraft(prior=0), "prior"),
+        (lambda: RequestHistory(lr=0), "lr"),
+        (lambda: RequestHistory(request_decay=0), "request_decay"),
+        (lambda: RankingGuard(min_auc=2), "min_auc"),
+    ],
+)
+def test_bad_estimator_arguments(factory, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        factory()
