@@ -68,7 +68,9 @@ def check_logprobs(name: str, value: object, *, rank: int = 2) -> Tensor:
     """
     t = check_tensor(name, value, rank=rank)
     if not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor of log-probabilities, got {t.dtype}")
+        raise TypeError(
+            f"{name} must be a floating-point tensor of log-probabilities, got {t.dtype}"
+        )
     if _values_checkable(t) and t.numel() and not bool((t <= 0).all()):
         if bool(torch.isnan(t).any()):
             raise ValueError(f"{name} contains NaN; expected log-probabilities in [-inf, 0]")
@@ -90,7 +92,9 @@ def check_active(active: object, batch: int, device: torch.device) -> Tensor | N
     if t.dtype != torch.bool:
         raise TypeError(f"active must be a bool tensor, got {t.dtype}")
     if t.shape[0] != batch:
-        raise ValueError(f"active must have shape [{batch}] (one flag per row), got {tuple(t.shape)}")
+        raise ValueError(
+            f"active must have shape [{batch}] (one flag per row), got {tuple(t.shape)}"
+        )
     if t.device != device:
         raise ValueError(f"active is on {t.device} but draft_logprobs is on {device}")
     return t
