@@ -9,13 +9,21 @@ so that a decoding loop can call it between two forward passes, or capture it in
 from __future__ import annotations
 
 import abc
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from specselect._checks import check_active, check_counts, check_logprobs
+from specselect._checks import (
+    check_active,
+    check_counts,
+    check_int,
+    check_logprobs,
+    check_tensor,
+)
 
 NEG_INF = float("-inf")
 
@@ -75,38 +83,150 @@ def top_c_mask(scores: Tensor, budget: int) -> Tensor:
     """Select exactly ``min(budget, available)`` entries with the largest scores.
 
     Args:
-        scores: ``[B, N]`` float; ``-inf`` marks entries that are never selected. Scores must not
-            increase from an entry to any entry that depends on it (along a chain, or from a tree
-            node to its children, where a child always has a larger index than its parent).
-        budget: a static Python int (the total count, not per row).
+        scores: ``[B, N]`` float; ``-inf`` marks entries that are never selected, ``+inf``
+            entries that always win. Scores must not increase from an entry to any entry that
+            depends on it (along a chain, or from a tree node to its children, where a child
+            always has a larger index than its parent).
+        budget: a static Python int >= 0 (the total count, not per row).
+
+    Returns:
+        ``[B, N]`` bool mask on the input's device.
+
+    Equal scores go to lower columns first (shallower positions), then to lower rows. That rule
+    keeps the mask closed under prerequisites: an entry's prerequisites score at least as much
+    and sit in lower columns, so they rank strictly before it; the best ``budget`` entries of a
+    strict order whose prerequisites always rank first are a closed set.
+
+    The work is one ``kthvalue`` over ``B * N`` entries (a selection, O(n), not a sort), a few
+    elementwise passes, and no host sync; see :func:`cheapest_mask` for how ties cost nothing.
+    """
+    check_tensor("scores", scores, rank=2)
+    if not scores.is_floating_point():
+        raise TypeError(f"scores must be a floating-point tensor, got {scores.dtype}")
+    budget = check_int("budget", budget)
+    return cheapest_mask(scores.neg(), budget, nonnegative=False)
+
+
+# Ranking codes. A float32 (or narrower) cost converted to float64 is exact and leaves the low
+# 29 mantissa bits zero; OR-ing an entry's position into those bits makes every code distinct
+# without changing the order of distinct costs. Read as int64, the codes of non-negative costs
+# sort like the costs; negative costs (sign bit set) need their magnitude bits flipped first.
+_POSITION_BITS = 29
+_MAGNITUDE_FLIP = (2**63 - 1) ^ (2**_POSITION_BITS - 1)  # bits 29..62
+_NEVER_CODE = 0x7FF0000000000000  # float64 +inf: codes at or above it are never selected
+_NO_CODE = -(2**63)  # below every code: a row threshold that takes nothing
+_CONSTANTS: OrderedDict[tuple[object, ...], Tensor] = OrderedDict()
+_CONSTANTS_SIZE = 32
+
+
+def cheapest_mask(
+    costs: Tensor, budget: int, *, nonnegative: bool = False, keep: Tensor | None = None
+) -> Tensor:
+    """Select exactly ``min(budget, available)`` entries with the smallest costs.
+
+    The cost-space twin of :func:`top_c_mask` (cost = -score), and the kernel that it and
+    :class:`~specselect.selectors.TetrisSelector` run. No argument checks: callers check.
+
+    Args:
+        costs: ``[B, N]`` float; ``+inf`` = never selected, ``-inf`` = taken before anything
+            else. Costs must not decrease from an entry to any entry that depends on it.
+        budget: static Python int >= 0.
+        nonnegative: promise that every cost is ``-inf``, ``+inf`` or ``>= +0.0`` (not
+            ``-0.0``), e.g. the absolute cumulative log-probabilities of validated draft
+            log-probs. It saves four elementwise passes; a broken promise gives a wrong mask.
+        keep: optional ``[B]`` bool; rows outside it get an empty mask *after* the selection,
+            so their entries still take budget (how TETRIS absorbs inactive rows).
 
     Returns:
         ``[B, N]`` bool mask.
 
-    Why this is prefix- (ancestor-) closed: an entry is taken only if its score is at least the
-    ``budget``-th best score ``tau``. Everything it depends on has a score >= its own, so it is
-    taken too — except among entries *equal* to ``tau``, where only some fit. Those ties are
-    settled in column-major order (lower index first, then lower row), and an entry's
-    prerequisites always sit in lower columns, so they win every tie against it.
-
-    Why ``kthvalue`` and not ``topk``: only the threshold is needed, and a selection (O(n)) is
-    far cheaper than a large-k sorted ``topk``; the budget is a Python int, so no value is read
-    back to the host.
+    How: every entry gets a distinct int64 code ordered by (cost, column, row); the
+    ``budget``-th smallest code is found with ``kthvalue`` and everything up to it is taken. As
+    the codes are distinct, exactly ``budget`` entries pass, ties included, without a tie pass.
+    float64 costs have no spare bits for the position and take :func:`_cheapest_mask_float64`.
     """
-    rows, cols = scores.shape
+    rows, cols = costs.shape
     n = rows * cols
-    available = scores > NEG_INF
-    if budget <= 0 or n == 0:
-        return torch.zeros_like(available)
+    if budget <= 0 or n == 0:  # static edge cases: no selection needed
+        return torch.zeros(costs.shape, dtype=torch.bool, device=costs.device)
     if budget >= n:
-        return available
-    tau = torch.kthvalue(scores.reshape(-1), n - budget + 1).values  # budget-th largest
-    above = scores > tau
-    tied = (scores == tau) & available
-    remaining = budget - above.sum()
-    # Inclusive rank of each tied entry in column-major order.
-    rank = tied.t().cumsum(dim=0).t()
-    return above | (tied & (rank <= remaining))
+        return _keep_rows(costs < float("inf"), keep)
+    if costs.dtype == torch.float64 or n > 2**_POSITION_BITS:
+        return _keep_rows(_cheapest_mask_float64(costs.to(torch.float64), budget), keep)
+    codes = _ranking_codes(costs, nonnegative=nonnegative)
+    # Clamp: if fewer than ``budget`` entries are available, stop before the never-selected.
+    kth = torch.kthvalue(codes.view(-1), budget).values.clamp_(max=_NEVER_CODE - 1)
+    if keep is None:
+        return codes <= kth
+    # One broadcast comparison instead of a comparison and a broadcast ``&``.
+    return codes <= torch.where(keep, kth, _NO_CODE).unsqueeze(1)
+
+
+def _keep_rows(mask: Tensor, keep: Tensor | None) -> Tensor:
+    """``mask`` (``[B, N]`` bool) with the rows outside ``keep`` (``[B]`` bool) cleared."""
+    return mask if keep is None else mask & keep.unsqueeze(1)
+
+
+def _ranking_codes(costs: Tensor, *, nonnegative: bool) -> Tensor:
+    """``[B, N]`` int64 codes, distinct, ordered by (cost, column, row); see :func:`cheapest_mask`.
+
+    ``costs`` is ``[B, N]`` float32/float16/bfloat16. With ``nonnegative`` the caller promises
+    no negative values and no ``-0.0`` (which would rank apart from ``+0.0``).
+    """
+    rows, cols = costs.shape
+    wide = costs.to(torch.float64)  # [B, N], a fresh tensor (costs is narrower): safe to modify
+    bits = wide.view(torch.int64)
+    if not nonnegative:
+        wide += 0.0  # -0.0 becomes +0.0: equal costs need equal bits
+        bits ^= (bits >> 63) & _MAGNITUDE_FLIP  # negative floats: larger magnitude ranks first
+    positions = cached_constant(("positions", rows, cols, costs.device), _position_codes)
+    return bits.bitwise_or_(positions)
+
+
+def _position_codes(rows: int, cols: int, device: torch.device) -> Tensor:
+    """``[rows, cols]`` int64 ``j * rows + i``: the column-major position that breaks ties."""
+    return torch.arange(rows * cols, device=device).view(cols, rows).t().contiguous()
+
+
+def cached_constant(key: tuple[object, ...], build: Callable[..., Tensor]) -> Tensor:
+    """``build(*key[1:])``, cached under ``key``: for small constant tensors used every step.
+
+    A cached tensor saves a few kernel launches per call; nothing may modify it in place. The
+    cache is bypassed while compiling (the constant then lives in the graph) and while a CUDA
+    graph is being captured: inside a capture the kernel that fills a tensor is only recorded,
+    so a tensor cached then would hold garbage until the graph replays. At most
+    ``_CONSTANTS_SIZE`` entries are kept (oldest dropped first).
+    """
+    compiling = torch.compiler.is_compiling()
+    cached = None if compiling else _CONSTANTS.get(key)
+    if cached is not None:
+        return cached
+    value = build(*key[1:])
+    if not compiling and not _capturing(value.device):
+        if len(_CONSTANTS) >= _CONSTANTS_SIZE:
+            _CONSTANTS.popitem(last=False)
+        _CONSTANTS[key] = value
+    return value
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _cheapest_mask_float64(costs: Tensor, budget: int) -> Tensor:
+    """:func:`cheapest_mask` for ``[B, N]`` float64 costs: threshold, then a tie pass.
+
+    Everything strictly below the ``budget``-th smallest cost ``tau`` is taken; of the entries
+    equal to ``tau`` (never ``+inf``), the first ``budget - taken`` in column-major order are.
+    """
+    rows, cols = costs.shape
+    tau = torch.kthvalue(costs.reshape(-1), budget).values
+    below = costs < tau
+    tied = (costs == tau) & (costs < float("inf"))
+    remaining = budget - below.sum()
+    # Inclusive rank of each tied entry in column-major order (column first, then row).
+    rank = tied.t().reshape(-1).cumsum(dim=0).view(cols, rows).t()
+    return below | (tied & (rank <= remaining))
 
 
 class Selector(abc.ABC):
@@ -151,8 +271,9 @@ class Selector(abc.ABC):
 
         Stateless selectors ignore it; adaptive ones override :meth:`_update`.
         """
-        check_counts("num_accepted", num_accepted, selection.lengths.shape[0],
-                     selection.lengths.device)
+        check_counts(
+            "num_accepted", num_accepted, selection.lengths.shape[0], selection.lengths.device
+        )
         self._update(selection, num_accepted)
 
     def _update(self, selection: Selection, num_accepted: Tensor) -> None:  # noqa: B027

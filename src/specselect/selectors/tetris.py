@@ -10,8 +10,9 @@ from specselect.selection import (
     NEG_INF,
     Selection,
     Selector,
+    cached_constant,
     chain_scores,
-    top_c_mask,
+    cheapest_mask,
 )
 
 
@@ -46,26 +47,33 @@ class TetrisSelector(Selector):
         return self.k + self.extra
 
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
-        scores = chain_scores(draft_logprobs)
-        rows, width = scores.shape
-        if active is not None:
-            scores = _absorb_inactive(scores, active, self.k if self.budget is None else 0)
+        rows, width = draft_logprobs.shape
         budget = self.k * rows if self.budget is None else self.budget
-        mask = top_c_mask(scores, budget)
+        # Work with costs (|cumulative log q|, >= +0): abs also turns a -0.0 into +0.0, which is
+        # what lets ``cheapest_mask`` skip its sign handling.
+        costs = chain_scores(draft_logprobs).abs_()  # [B, K], a fresh tensor
         if active is not None:
-            mask = mask & active.unsqueeze(1)
+            pad = min(self.k, width) if self.budget is None else 0
+            costs = _absorb_inactive(costs, active, pad)
+        mask = cheapest_mask(costs, budget, nonnegative=True, keep=active)
         return Selection(lengths=mask.sum(dim=1), mask=mask)
 
 
-def _absorb_inactive(scores: Tensor, active: Tensor, pad: int) -> Tensor:
-    """Give inactive rows ``pad`` certain (+inf) entries and nothing else.
+def _absorb_inactive(costs: Tensor, active: Tensor, pad: int) -> Tensor:
+    """Give inactive rows ``pad`` free (``-inf`` cost) entries and nothing else (``+inf``).
 
-    The default budget ``k * num_active`` depends on how many rows are active, a device value.
-    Reading it back would be a host sync; instead every inactive row is given ``k`` entries that
-    rank above everything else, so that the static budget ``k * B`` leaves exactly
-    ``k * num_active`` for the active rows. The padding is masked out afterwards.
+    ``costs`` is ``[B, K]``, ``active`` ``[B]`` bool. The default budget ``k * num_active``
+    depends on how many rows are active, a device value. Reading it back would be a host sync;
+    instead every inactive row is given ``k`` entries that rank before everything else, so that
+    the static budget ``k * B`` leaves exactly ``k * num_active`` for the active rows. The
+    selection then drops the inactive rows (``keep=active``).
     """
-    width = scores.shape[1]
-    pad_cols = torch.arange(width, device=scores.device) < min(pad, width)  # [K]
-    filler = torch.where(pad_cols, float("inf"), NEG_INF).to(scores.dtype)  # [K]
-    return torch.where(active.unsqueeze(1), scores, filler.unsqueeze(0))
+    key = ("inactive_filler", costs.shape[1], pad, costs.dtype, costs.device)
+    filler = cached_constant(key, _inactive_filler)  # [K]
+    return torch.where(active.unsqueeze(1), costs, filler)
+
+
+def _inactive_filler(width: int, pad: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[width]``: ``-inf`` (taken first) in the first ``pad`` columns, ``+inf`` (never) after."""
+    pad_cols = torch.arange(width, device=device) < pad
+    return torch.where(pad_cols, NEG_INF, float("inf")).to(dtype)

@@ -1,0 +1,98 @@
+"""Shared fixtures and hypothesis strategies.
+
+Selection tests need inputs where the interesting things happen: exact ties, probability-1
+tokens (log q = 0), probability-0 tokens (log q = -inf, which must cut a row), and rows that are
+all of these. The strategies below draw most values from a small pool so that ties are the
+rule rather than the exception, and the rest from a continuous range.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import strategies as st
+
+from specselect.selection import Selection
+
+# Probabilities drawn from a pool, so that equal values (and equal cumulative products) are
+# common: 1 gives log q = 0, 0 gives log q = -inf.
+_POOL = (1.0, 1.0, 0.5, 0.5, 0.25, 0.9, 0.1, 0.0)
+LOGPROB_POOL = tuple(math.log(p) if p > 0 else float("-inf") for p in _POOL)
+
+
+def logprob_values() -> st.SearchStrategy[float]:
+    """One log-probability: from the tie-prone pool, or continuous in [-6, 0]."""
+    return st.one_of(
+        st.sampled_from(LOGPROB_POOL),
+        st.floats(min_value=-6.0, max_value=0.0, allow_nan=False, allow_infinity=False),
+    )
+
+
+@st.composite
+def logprob_matrices(
+    draw: st.DrawFn, max_rows: int = 4, max_cols: int = 5, min_rows: int = 1, min_cols: int = 0
+) -> torch.Tensor:
+    """``[B, K]`` float64 log-probabilities with ``min_rows <= B <= max_rows``."""
+    rows = draw(st.integers(min_rows, max_rows))
+    cols = draw(st.integers(min_cols, max_cols))
+    values = draw(st.lists(logprob_values(), min_size=rows * cols, max_size=rows * cols))
+    return torch.tensor(values, dtype=torch.float64).reshape(rows, cols)
+
+
+@st.composite
+def active_masks(draw: st.DrawFn, rows: int) -> torch.Tensor:
+    """``[rows]`` bool."""
+    return torch.tensor(draw(st.lists(st.booleans(), min_size=rows, max_size=rows)))
+
+
+def random_logprobs(
+    rows: int,
+    cols: int,
+    *,
+    seed: int,
+    cut: float = 0.0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """``[rows, cols]`` continuous log-probabilities (ties have probability 0).
+
+    With probability ``cut`` per entry the value is ``-inf`` (a row that ends early).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.rand(rows, cols, generator=gen, dtype=torch.float64).clamp_min(1e-12)
+    logprobs = probs.log()
+    if cut > 0:
+        logprobs[torch.rand(rows, cols, generator=gen, dtype=torch.float64) < cut] = -math.inf
+    return logprobs.to(dtype=dtype, device=device)
+
+
+def _check_prefix_selection(selection: Selection, logprobs: torch.Tensor) -> None:
+    """Assert the invariants every chain selection has, whatever selected it.
+
+    ``lengths`` is ``[B]`` int64 and ``mask`` ``[B, K]`` bool on the input's device; the mask
+    is the prefix mask of ``lengths``; nothing at or after a ``-inf`` draft position is taken.
+    """
+    rows, cols = logprobs.shape
+    assert isinstance(selection, Selection)
+    assert selection.lengths.dtype == torch.int64
+    assert selection.mask.dtype == torch.bool
+    assert selection.lengths.shape == (rows,)
+    assert selection.mask.shape == (rows, cols)
+    assert selection.lengths.device == logprobs.device
+    assert selection.mask.device == logprobs.device
+    lengths = selection.lengths.cpu()
+    mask = selection.mask.cpu()
+    expected = torch.arange(cols).unsqueeze(0) < lengths.unsqueeze(1)
+    assert torch.equal(mask, expected), "mask is not the prefix mask of lengths"
+    finite_prefix = torch.isfinite(logprobs.cpu()).to(torch.int64).cumprod(dim=1).sum(dim=1)
+    assert bool((lengths >= 0).all())
+    assert bool((lengths <= finite_prefix).all()), "selected a -inf position or beyond"
+
+
+@pytest.fixture(scope="session")
+def check_prefix_selection() -> Callable[[Selection, torch.Tensor], None]:
+    """The invariants of a chain selection, as an assertion function (see its docstring)."""
+    return _check_prefix_selection

@@ -1,0 +1,391 @@
+"""TETRIS, fixed-window and the top-C kernel: optimality, exact counts, tie order, edge cases.
+
+Oracles are independent of the code under test: a brute force over every prefix allocation
+(optimality), a plain Python sort by (score desc, column, row) (the exact mask, ties included),
+hand-worked tie cases, and the reference formulation ``cumsum -> topk(C) -> per-row count``
+(on tie-free inputs, where ``topk``'s arbitrary tie order cannot matter).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import active_masks, logprob_matrices, logprob_values, random_logprobs
+from specselect import FixedWindowSelector, TetrisSelector, top_c_mask
+from specselect.selection import cheapest_mask
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+LOW_PRECISION = [torch.float16, torch.bfloat16]
+
+
+# --------------------------------------------------------------------------------------------
+# Oracles
+
+
+def cumulative_probs(logprobs: torch.Tensor) -> list[list[float]]:
+    """``exp`` of the cumulative log-probabilities, as float64 Python floats."""
+    scores = torch.cumsum(logprobs, dim=1).to(torch.float64)
+    return scores.exp().tolist()
+
+
+def finite_prefix(logprobs: torch.Tensor) -> list[int]:
+    """Per row: positions before the first ``-inf``."""
+    out = []
+    for row in logprobs.tolist():
+        n = 0
+        while n < len(row) and row[n] > -math.inf:
+            n += 1
+        out.append(n)
+    return out
+
+
+def brute_force_optimum(probs: list[list[float]], available: list[int], budget: int) -> float:
+    """Best sum of prefix probabilities over every allocation with total <= budget."""
+    best = 0.0
+    for lengths in itertools.product(*(range(a + 1) for a in available)):
+        if sum(lengths) <= budget:
+            value = sum(sum(row[:n]) for row, n in zip(probs, lengths, strict=True))
+            best = max(best, value)
+    return best
+
+
+def sorted_order_mask(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """The first ``budget`` entries by (score desc, column asc, row asc), ``-inf`` never."""
+    rows, cols = scores.shape
+    values = scores.to(torch.float64).tolist()
+    entries = [
+        (-values[i][j], j, i) for i in range(rows) for j in range(cols) if values[i][j] > -math.inf
+    ]
+    mask = torch.zeros(rows, cols, dtype=torch.bool)
+    for _, j, i in sorted(entries)[:budget]:
+        mask[i, j] = True
+    return mask
+
+
+def reference_lengths(logprobs: torch.Tensor, budget: int) -> torch.Tensor:
+    """The reference formulation: cumsum -> flattened topk(C) -> per-row count."""
+    rows, cols = logprobs.shape
+    scores = torch.cumsum(logprobs.to(torch.float64), dim=1).reshape(-1)
+    values, index = scores.topk(min(budget, scores.numel()))
+    taken = index[values > -math.inf]
+    return torch.bincount(taken // cols, minlength=rows)
+
+
+def objective(selection_mask: torch.Tensor, probs: list[list[float]]) -> float:
+    return sum(
+        p
+        for row, sel in zip(probs, selection_mask.tolist(), strict=True)
+        for p, s in zip(row, sel, strict=True)
+        if s
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Optimality and exact count
+
+
+@SETTINGS
+@given(data=st.data(), logprobs=logprob_matrices(max_rows=4, max_cols=5))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_tetris_is_optimal_and_exact(
+    data: st.DataObject, logprobs: torch.Tensor, dtype: torch.dtype, check_prefix_selection
+) -> None:
+    """Objective equals the brute-force optimum; exactly min(C, available) tokens, prefixes.
+
+    float64 runs the threshold-and-tie-pass kernel, float32 the ranking-code kernel; in both the
+    objective is measured on the scores the selector saw (float32 cumsum for float32 inputs).
+    """
+    logprobs = logprobs.to(dtype)
+    rows, cols = logprobs.shape
+    budget = data.draw(st.integers(0, rows * cols + 2), label="budget")
+    selection = TetrisSelector(k=1, extra=0, budget=budget).select(logprobs)
+
+    check_prefix_selection(selection, logprobs)
+    available = finite_prefix(logprobs)
+    assert int(selection.lengths.sum()) == min(budget, sum(available))
+    probs = cumulative_probs(logprobs)
+    best = brute_force_optimum(probs, available, budget)
+    assert objective(selection.mask, probs) == pytest.approx(best, rel=1e-9, abs=1e-300)
+
+
+@SETTINGS
+@given(data=st.data(), logprobs=logprob_matrices(max_rows=5, max_cols=6))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
+def test_top_c_mask_matches_sorted_order(
+    data: st.DataObject, logprobs: torch.Tensor, dtype: torch.dtype
+) -> None:
+    """The exact mask, ties included: first C by (score desc, column, row)."""
+    scores = torch.cumsum(logprobs, dim=1).to(dtype)
+    budget = data.draw(st.integers(0, scores.numel() + 2), label="budget")
+    assert torch.equal(top_c_mask(scores, budget), sorted_order_mask(scores, budget))
+
+
+@SETTINGS
+@given(data=st.data())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_top_c_mask_any_scores(data: st.DataObject, dtype: torch.dtype) -> None:
+    """General scores: any sign, +inf (always first) and -inf (never), signed zeros."""
+    rows = data.draw(st.integers(1, 4), label="rows")
+    cols = data.draw(st.integers(1, 5), label="cols")
+    pool = st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, -2.5, math.inf, -math.inf])
+    value = st.one_of(pool, st.floats(-1e3, 1e3, allow_nan=False))
+    values = data.draw(st.lists(value, min_size=rows * cols, max_size=rows * cols))
+    scores = torch.tensor(values, dtype=torch.float64).reshape(rows, cols).to(dtype)
+    budget = data.draw(st.integers(0, rows * cols + 1), label="budget")
+    assert torch.equal(top_c_mask(scores, budget), sorted_order_mask(scores, budget))
+
+
+@SETTINGS
+@given(data=st.data())
+@pytest.mark.parametrize("nonnegative", [True, False])
+def test_ranking_codes_agree_with_float64_kernel(data: st.DataObject, nonnegative: bool) -> None:
+    """The float32 ranking-code kernel and the float64 tie-pass kernel give the same mask."""
+    rows = data.draw(st.integers(1, 5), label="rows")
+    cols = data.draw(st.integers(1, 6), label="cols")
+    pool = [0.0, 0.5, 1.0, 3.0, math.inf, -math.inf] + ([] if nonnegative else [-0.5, -3.0])
+    low = 0.0 if nonnegative else -50.0
+    value = st.one_of(st.sampled_from(pool), st.floats(low, 50.0, allow_nan=False, width=32))
+    values = data.draw(st.lists(value, min_size=rows * cols, max_size=rows * cols))
+    costs = torch.tensor(values, dtype=torch.float32).reshape(rows, cols)
+    budget = data.draw(st.integers(0, rows * cols), label="budget")
+    fast = cheapest_mask(costs, budget, nonnegative=nonnegative)
+    exact = cheapest_mask(costs.to(torch.float64), budget)
+    assert torch.equal(fast, exact)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_top_c_mask_is_closed_on_trees(data: st.DataObject) -> None:
+    """Tree scores (a node's parent sits in a lower column): the mask keeps every ancestor."""
+    rows = data.draw(st.integers(1, 3), label="rows")
+    nodes = data.draw(st.integers(1, 7), label="nodes")
+    parents = [data.draw(st.integers(-1, j - 1), label=f"parent{j}") for j in range(nodes)]
+    logq = data.draw(st.lists(logprob_values(), min_size=rows * nodes, max_size=rows * nodes))
+    logq_t = torch.tensor(logq, dtype=torch.float32).reshape(rows, nodes)
+    scores = torch.empty(rows, nodes)
+    for j, parent in enumerate(parents):
+        scores[:, j] = logq_t[:, j] + (scores[:, parent] if parent >= 0 else 0.0)
+    budget = data.draw(st.integers(0, rows * nodes), label="budget")
+    mask = top_c_mask(scores, budget)
+    assert int(mask.sum()) == min(budget, int((scores > -math.inf).sum()))
+    for j, parent in enumerate(parents):
+        if parent >= 0:
+            assert bool((~mask[:, j] | mask[:, parent]).all()), "a node without its parent"
+
+
+# --------------------------------------------------------------------------------------------
+# Hand-worked ties
+
+HALF = math.log(0.5)
+NEG = -math.inf
+TIE_CASES = {
+    # Identical rows: the best column fills first (rows 0, 1, 2), then column 1 from row 0.
+    "all_equal": ([[HALF] * 3] * 3, 4, [[1, 1, 0], [1, 0, 0], [1, 0, 0]]),
+    # Probability-1 tokens: every score is 0.
+    "prob_one": ([[0.0] * 3] * 2, 3, [[1, 1, 0], [1, 0, 0]]),
+    # A zero probability cuts row 0 after one token even though later scores would tie.
+    "prob_zero": ([[0.0, NEG, 0.0], [0.0, 0.0, 0.0]], 4, [[1, 0, 0], [1, 1, 1]]),
+    "prob_zero_small_budget": ([[0.0, NEG, 0.0], [0.0, 0.0, 0.0]], 2, [[1, 0, 0], [1, 0, 0]]),
+    # Three certain tokens, then five tied at 0.5 for two slots: (1, 0) is shallowest; of the
+    # column-1 ties (0, 1) and (1, 1), row 0 wins.
+    "tie_at_threshold": (
+        [[0.0, HALF, HALF], [HALF, 0.0, 0.0], [0.0, 0.0, HALF]],
+        5,
+        [[1, 1, 0], [1, 0, 0], [1, 1, 0]],
+    ),
+    # Row 0 all certain; the budget runs out in column 1 among the rows with a 1.
+    "deep_row_first": (
+        [[0.0] * 4, [0.0, 0.0, NEG, 0.0], [HALF] * 4],
+        5,
+        [[1, 1, 1, 0], [1, 1, 0, 0], [0] * 4],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TIE_CASES))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, *LOW_PRECISION])
+def test_tie_order_exact_mask(case: str, dtype: torch.dtype) -> None:
+    logprobs, budget, expected = TIE_CASES[case]
+    logprobs = torch.tensor(logprobs, dtype=dtype)
+    selection = TetrisSelector(k=1, budget=budget).select(logprobs)
+    expected_mask = torch.tensor(expected, dtype=torch.bool)
+    assert torch.equal(selection.mask, expected_mask)
+    assert torch.equal(selection.lengths, expected_mask.sum(dim=1))
+
+
+# --------------------------------------------------------------------------------------------
+# Inactive rows
+
+
+@SETTINGS
+@given(data=st.data(), logprobs=logprob_matrices(max_rows=5, max_cols=5))
+@pytest.mark.parametrize("explicit_budget", [False, True])
+def test_inactive_rows_take_no_budget(
+    data: st.DataObject, logprobs: torch.Tensor, explicit_budget: bool
+) -> None:
+    """With an active mask, the result equals running on the active rows alone.
+
+    Default budget: ``k * num_active``; explicit budget: the same ``C`` for the active rows.
+    """
+    rows, cols = logprobs.shape
+    active = data.draw(active_masks(rows), label="active")
+    k = data.draw(st.integers(0, cols + 1), label="k")
+    budget = data.draw(st.integers(0, rows * cols + 1), label="budget") if explicit_budget else None
+    selector = TetrisSelector(k=k, extra=2, budget=budget)
+    full = selector.select(logprobs.to(torch.float32), active)
+    alone = selector.select(logprobs[active].to(torch.float32))
+    assert torch.equal(full.lengths[active], alone.lengths)
+    assert torch.equal(full.mask[active], alone.mask)
+    assert int(full.lengths[~active].abs().sum()) == 0
+    assert not bool(full.mask[~active].any())
+
+
+def test_default_budget_is_k_times_active_rows() -> None:
+    logprobs = torch.zeros(4, 6)  # all certain: every row could take all 6
+    active = torch.tensor([True, False, True, False])
+    selection = TetrisSelector(k=2, extra=4).select(logprobs, active)
+    assert selection.lengths.tolist() == [2, 0, 2, 0]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_default_budget_equals_explicit(rows: int, k: int) -> None:
+    logprobs = random_logprobs(rows, k + 2, seed=rows * 10 + k, cut=0.1)
+    default = TetrisSelector(k=k, extra=2).select(logprobs)
+    explicit = TetrisSelector(k=k, extra=2, budget=k * rows).select(logprobs)
+    assert torch.equal(default.mask, explicit.mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Edge cases
+
+
+def test_budget_larger_than_available_takes_everything_available() -> None:
+    logprobs = torch.tensor([[-0.1, NEG, -0.2], [-0.3, -0.4, -0.5], [NEG, -0.1, -0.1]])
+    selection = TetrisSelector(k=1, budget=100).select(logprobs)
+    assert selection.lengths.tolist() == [1, 3, 0]
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (1, 5), (5, 0), (0, 3)])
+def test_zero_budget_selects_nothing(shape: tuple[int, int]) -> None:
+    selection = TetrisSelector(k=0, extra=3).select(torch.zeros(shape))
+    assert selection.mask.shape == shape
+    assert not bool(selection.mask.any())
+    assert selection.lengths.shape == (shape[0],)
+
+
+def test_single_row() -> None:
+    logprobs = torch.tensor([[-0.1, -0.2, -0.3, -0.4]])
+    assert TetrisSelector(k=2, extra=2).select(logprobs).lengths.tolist() == [2]
+
+
+@pytest.mark.parametrize("with_active", [False, True])
+def test_empty_draft_window(with_active: bool) -> None:
+    active = torch.tensor([True, False, True]) if with_active else None
+    selection = TetrisSelector(k=3, extra=0).select(torch.zeros(3, 0), active)
+    assert selection.mask.shape == (3, 0)
+    assert selection.lengths.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_low_precision_inputs_match_float32(dtype: torch.dtype) -> None:
+    """16-bit inputs are ranked in float32 (chain_scores upcasts): same as upcasting first."""
+    logprobs = random_logprobs(16, 8, seed=3, cut=0.05).to(dtype)
+    selector = TetrisSelector(k=4, extra=4)
+    active = torch.arange(16) % 5 != 0
+    for act in (None, active):
+        low = selector.select(logprobs, act)
+        high = selector.select(logprobs.to(torch.float32), act)
+        assert torch.equal(low.mask, high.mask)
+        assert low.lengths.dtype == torch.int64
+
+
+def test_select_leaves_the_input_untouched() -> None:
+    logprobs = random_logprobs(4, 5, seed=0, cut=0.1)
+    before = logprobs.clone()
+    TetrisSelector(k=2, extra=3).select(logprobs, torch.tensor([True, False, True, True]))
+    assert torch.equal(logprobs, before)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference formulation
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "budget"),
+    [(1, 4, 2), (8, 8, 32), (64, 8, 256), (33, 16, 12 * 33), (16, 5, 200), (64, 16, 1)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cut", [0.0, 0.1])
+def test_matches_reference_formulation_without_ties(
+    rows: int, cols: int, budget: int, dtype: torch.dtype, cut: float
+) -> None:
+    logprobs = random_logprobs(rows, cols, seed=rows * cols + budget, cut=cut, dtype=dtype)
+    scores = torch.cumsum(logprobs, dim=1)
+    finite = scores[scores > -math.inf]
+    assert finite.unique().numel() == finite.numel(), "precondition: no ties"
+    selection = TetrisSelector(k=1, budget=budget).select(logprobs)
+    assert torch.equal(selection.lengths, reference_lengths(logprobs, budget))
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"k": -1}, ValueError, "k"),
+        ({"k": 2, "extra": -1}, ValueError, "extra"),
+        ({"k": 2, "budget": -3}, ValueError, "budget"),
+        ({"k": 2.5}, TypeError, "k"),
+        ({"k": True}, TypeError, "k"),
+    ],
+)
+def test_tetris_rejects_bad_arguments(kwargs: dict, error: type, name: str) -> None:
+    with pytest.raises(error, match=name):
+        TetrisSelector(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("scores", "budget", "error", "name"),
+    [
+        (torch.zeros(2, 2), -1, ValueError, "budget"),
+        (torch.zeros(2, 2), 1.0, TypeError, "budget"),
+        (torch.zeros(4), 1, ValueError, "scores"),
+        (torch.zeros(2, 2, dtype=torch.int64), 1, TypeError, "scores"),
+        ([[0.0]], 1, TypeError, "scores"),
+    ],
+)
+def test_top_c_mask_rejects_bad_arguments(scores, budget, error: type, name: str) -> None:
+    with pytest.raises(error, match=name):
+        top_c_mask(scores, budget)
+
+
+def test_tetris_draft_length_is_k_plus_extra() -> None:
+    assert TetrisSelector(k=3, extra=2).draft_length(7) == 5
+
+
+# --------------------------------------------------------------------------------------------
+# Fixed window
+
+
+@SETTINGS
+@given(data=st.data(), logprobs=logprob_matrices(max_rows=5, max_cols=6))
+def test_fixed_window_lengths(data: st.DataObject, logprobs: torch.Tensor) -> None:
+    """lengths = min(k, available) for active rows, 0 for inactive ones."""
+    rows, cols = logprobs.shape
+    k = data.draw(st.integers(0, cols + 2), label="k")
+    active = data.draw(st.one_of(st.none(), active_masks(rows)), label="active")
+    selection = FixedWindowSelector(k).select(logprobs, active)
+    expected = [min(k, a) for a in finite_prefix(logprobs)]
+    if active is not None:
+        expected = [n if on else 0 for n, on in zip(expected, active.tolist(), strict=True)]
+    assert selection.lengths.tolist() == expected
+    assert FixedWindowSelector(k).draft_length(rows) == k
