@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from specselect import Selection
+from specselect import Selection, TetrisSelector
 from specselect.estimators import (
     ESTIMATORS,
     CalibratedDraft,
@@ -169,3 +169,43 @@ def test_estimators_run_on_meta_tensors(name: str) -> None:
 def test_bad_estimator_arguments(factory, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         factory()
+
+
+def test_tetris_guard_falls_back_to_the_fixed_window_until_trusted() -> None:
+    selector = TetrisSelector(k=2, extra=2, estimator="calibrated", guard=True)
+    logprobs = torch.log(torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.1, 0.1, 0.1, 0.1]]))
+    assert selector.select(logprobs).lengths.tolist() == [2, 2]  # no evidence yet: fixed k
+    raw = TetrisSelector(k=2, extra=2).select(logprobs).lengths.tolist()
+    assert raw == [4, 0]  # what TETRIS would do on the raw draft probabilities
+
+
+def test_tetris_uses_the_estimator_once_the_guard_trusts_it() -> None:
+    selector = TetrisSelector(
+        k=2, extra=2, estimator="calibrated", guard=RankingGuard(min_observations=50)
+    )
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):  # an informative stream: acceptance grows with q
+        logprobs = torch.rand(ROWS, 4, generator=gen).clamp(min=1e-3).log()
+        selection = selector.select(logprobs)
+        accept = torch.rand(ROWS, 4, generator=gen) < under_confident(logprobs.exp(), None)
+        selector.update(selection, accept.to(torch.int64).cumprod(1).sum(1))
+    assert bool(selector.guard.trusted())
+    confident = torch.log(torch.tensor([[0.95] * 4, [0.05] * 4]))
+    assert selector.select(confident).lengths.tolist() == [4, 0]
+
+
+def test_request_ids_reset_the_slots_that_change_hands() -> None:
+    history = RequestHistory()
+    selector = TetrisSelector(k=2, extra=1, estimator=history)
+    logprobs = torch.full((3, 3), -0.1)
+    for _ in range(5):
+        selection = selector.select(logprobs, request_ids=torch.tensor([7, 8, 9]))
+        selector.update(selection, selection.lengths)
+    assert (history._trials > 0).all()
+    selector.select(logprobs, request_ids=torch.tensor([7, 10, 9]))  # slot 1 holds request 10
+    assert history._trials[1] == 0 and history._trials[0] > 0 and history._trials[2] > 0
+
+
+def test_unknown_estimator_name_is_rejected() -> None:
+    with pytest.raises(ValueError, match="estimator must be"):
+        TetrisSelector(k=2, estimator="oracle")

@@ -12,7 +12,7 @@ import abc
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
@@ -24,6 +24,9 @@ from specselect._checks import (
     check_logprobs,
     check_tensor,
 )
+
+if TYPE_CHECKING:
+    from specselect.estimators import AcceptanceEstimator
 
 NEG_INF = float("-inf")
 
@@ -162,6 +165,25 @@ def cheapest_mask(
     return codes <= torch.where(keep, kth, _NO_CODE).unsqueeze(1)
 
 
+def cheapest_per_row(costs: Tensor, count: int) -> Tensor:
+    """Select each row's ``min(count, available)`` cheapest entries (``[B, N]`` → bool mask).
+
+    The per-request counterpart of :func:`cheapest_mask` (what EAGLE-2 and SGLang do with draft
+    trees: every request keeps its own best ``count`` nodes). Same ranking codes, same tie
+    rule, so the result is closed under prerequisites; ``kthvalue`` runs along each row.
+    """
+    cols = costs.shape[1]
+    if count <= 0 or cols == 0:
+        return torch.zeros(costs.shape, dtype=torch.bool, device=costs.device)
+    if count >= cols:
+        return costs < float("inf")
+    if costs.dtype == torch.float64:  # no spare bits for positions: rank in float32
+        costs = costs.to(torch.float32)
+    codes = _ranking_codes(costs, nonnegative=False)
+    kth = torch.kthvalue(codes, count, dim=1, keepdim=True).values.clamp_(max=_NEVER_CODE - 1)
+    return codes <= kth
+
+
 def _keep_rows(mask: Tensor, keep: Tensor | None) -> Tensor:
     """``mask`` (``[B, N]`` bool) with the rows outside ``keep`` (``[B]`` bool) cleared."""
     return mask if keep is None else mask & keep.unsqueeze(1)
@@ -235,52 +257,115 @@ class Selector(abc.ABC):
     A decoding loop calls, once per step:
 
     1. :meth:`draft_length` — how many tokens to draft per request;
-    2. :meth:`select` — which of the drafted tokens the target verifies;
+    2. :meth:`select` — which of the drafted tokens (or draft-tree nodes) the target verifies;
     3. :meth:`update` — feedback after verification (accepted counts), for adaptive selectors.
 
-    Subclasses implement :meth:`_select`; the base class checks the arguments.
+    Subclasses implement :meth:`_select` (chains) and, if ``supports_trees``,
+    :meth:`_select_tree`; the base class checks the arguments, applies the optional acceptance
+    ``estimator`` to the draft log-probabilities, feeds it the outcomes, and resets per-request
+    state when a batch slot starts serving a new request.
     """
 
     name: ClassVar[str] = "selector"
+    supports_trees: ClassVar[bool] = False
+    estimator: AcceptanceEstimator | None = None
 
     @abc.abstractmethod
     def draft_length(self, num_active: int) -> int:
         """Tokens to draft per active request this step, given ``num_active`` active requests."""
 
-    def select(self, draft_logprobs: Tensor, active: Tensor | None = None) -> Selection:
+    def select(
+        self,
+        draft_logprobs: Tensor,
+        active: Tensor | None = None,
+        *,
+        parents: Tensor | None = None,
+        request_ids: Tensor | None = None,
+    ) -> Selection:
         """Choose the draft tokens to verify.
 
         Args:
             draft_logprobs: ``[B, K]`` log-probability the draft gave each drafted token
-                (``-inf`` = never select this token or anything after it).
+                (``-inf`` = never select this token or anything after it). With ``parents``,
+                ``[B, N]`` per tree node.
             active: optional ``[B]`` bool; inactive rows get length 0 and take no budget.
+            parents: optional ``[B, N]`` int: select draft-tree nodes instead of chain
+                positions (see :mod:`specselect.tree`); the result is closed under ancestors.
+            request_ids: optional ``[B]`` int64 id of the request in each batch slot. When a
+                slot's id changes, per-request state of that slot is reset (:meth:`reset_rows`).
 
         Returns:
             A :class:`Selection` on the input's device.
         """
         draft_logprobs = check_logprobs("draft_logprobs", draft_logprobs)
-        active = check_active(active, draft_logprobs.shape[0], draft_logprobs.device)
-        return self._select(draft_logprobs, active)
+        rows, width = draft_logprobs.shape
+        active = check_active(active, rows, draft_logprobs.device)
+        if request_ids is not None:
+            self._follow_requests(
+                check_counts("request_ids", request_ids, rows, draft_logprobs.device)
+            )
+        scores = draft_logprobs
+        if self.estimator is not None:
+            scores = self.estimator.estimate(draft_logprobs)
+        self._last_inputs = (draft_logprobs, scores)
+        if parents is None:
+            return self._select(scores, active)
+        if not self.supports_trees:
+            raise TypeError(
+                f"{type(self).__name__} does not select draft-tree nodes (parents=...); "
+                "use a selector with supports_trees, e.g. 'tetris' or 'fixed'"
+            )
+        from specselect.tree import check_parents  # tree imports nothing from here
+
+        if self.estimator is not None:
+            raise NotImplementedError("acceptance estimators do not support draft trees yet")
+        return self._select_tree(scores, active, check_parents(parents, rows=rows, width=width))
 
     @abc.abstractmethod
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
         """Selection on checked arguments (``[B, K]`` log-probs, optional ``[B]`` bool)."""
 
+    def _select_tree(
+        self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor
+    ) -> Selection:
+        """Tree selection (``[B, N]`` node log-probs and parents); only if ``supports_trees``."""
+        raise NotImplementedError
+
     def update(self, selection: Selection, num_accepted: Tensor) -> None:
         """Feedback after verification: ``num_accepted`` ``[B]`` accepted draft tokens per row.
 
-        Stateless selectors ignore it; adaptive ones override :meth:`_update`.
+        The acceptance estimator, if any, learns from it; adaptive selectors override
+        :meth:`_update`.
         """
         check_counts(
             "num_accepted", num_accepted, selection.lengths.shape[0], selection.lengths.device
         )
+        last = getattr(self, "_last_inputs", None)
+        if self.estimator is not None and last is not None:
+            self.estimator.observe(last[0], selection, num_accepted)
         self._update(selection, num_accepted)
 
     def _update(self, selection: Selection, num_accepted: Tensor) -> None:  # noqa: B027
         """Adaptive selectors override this; the default keeps no state."""
 
-    def reset(self) -> None:  # noqa: B027
+    def reset(self) -> None:
         """Forget all state learned from feedback (start of a new generation)."""
+        self._request_ids: Tensor | None = None
+        if self.estimator is not None:
+            self.estimator.reset()
+
+    def reset_rows(self, rows: Tensor) -> None:
+        """Forget per-request state of ``rows`` (``[B]`` bool): their slots hold new requests."""
+        if self.estimator is not None:
+            self.estimator.reset_rows(rows)
+
+    def _follow_requests(self, request_ids: Tensor) -> None:
+        previous = getattr(self, "_request_ids", None)
+        if previous is not None and previous.shape == request_ids.shape:
+            self.reset_rows(request_ids != previous)
+        elif previous is not None:
+            self.reset()
+        self._request_ids = request_ids.clone()
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))

@@ -55,16 +55,26 @@ class TreeBuffers:
         return mask
 
     def path_scores(self, logprobs: Tensor) -> Tensor:
-        """``[B, N]`` sum of log-probabilities along each root-to-node path.
+        """``[B, N]`` sum of ``logprobs`` (``[B, N]``) along each root-to-node path."""
+        return path_sums(logprobs, self.parents)
 
-        Args:
-            logprobs: ``[B, N]`` per-node log-probabilities (``-inf`` allowed).
-        """
-        dtype = torch.promote_types(logprobs.dtype, torch.float32)
-        per_ancestor = torch.where(
-            self.ancestors, logprobs.to(dtype).unsqueeze(1), torch.zeros((), dtype=dtype)
-        )  # [B, N, N]: row j holds the log-probs of j's ancestors, 0 elsewhere
-        return per_ancestor.sum(dim=2)
+
+def path_sums(values: Tensor, parents: Tensor) -> Tensor:
+    """``[B, N]``: for each node, the sum of ``values`` (``[B, N]``) over its ancestors-or-self.
+
+    Pointer jumping: after round ``r`` every node holds the sum over its ``2**r`` nearest
+    ancestors-or-self and points ``2**r`` levels up, so ``ceil(log2(N))`` rounds of gathers
+    cover any depth, with no host sync and no ``[B, N, N]`` intermediate. Works for chains
+    (where it equals ``cumsum``) and for trees alike. Sums are float32 or wider.
+    """
+    total = values.to(torch.promote_types(values.dtype, torch.float32), copy=True)
+    up = parents.to(torch.int64)
+    for _ in range(max(values.shape[1] - 1, 0).bit_length()):
+        has_up = up >= 0
+        safe = up.clamp(min=0)
+        total = total + torch.where(has_up, total.gather(1, safe), 0.0)
+        up = torch.where(has_up, up.gather(1, safe), -1)
+    return total
 
 
 def chain_parents(rows: int, width: int, device: torch.device | str = "cpu") -> Tensor:

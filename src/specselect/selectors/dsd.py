@@ -142,6 +142,7 @@ class DSDSelector(Selector):
 
     def reset(self) -> None:
         """Back to ``alpha0``; the next :meth:`draft_length` re-chooses the window."""
+        super().reset()
         self._alpha: Tensor | None = None  # device EMA, created by the first update
         self._alpha_host = self.alpha0  # the value the window is currently chosen from
         self._calls = 0  # draft_length calls since reset

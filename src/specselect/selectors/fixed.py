@@ -5,16 +5,26 @@ from __future__ import annotations
 from torch import Tensor
 
 from specselect._checks import check_int
-from specselect.selection import Selection, Selector, available_lengths, mask_inactive
+from specselect.selection import (
+    Selection,
+    Selector,
+    available_lengths,
+    cheapest_per_row,
+    mask_inactive,
+)
+from specselect.tree import path_sums
 
 
 class FixedWindowSelector(Selector):
     """Draft and verify ``k`` tokens per active request (standard SD).
 
-    Rows whose drafts contain ``-inf`` log-probabilities are cut before the first ``-inf``.
+    Rows whose drafts contain ``-inf`` log-probabilities are cut before the first ``-inf``. With
+    draft trees (``parents=``) every request keeps its own best ``k`` nodes by path score — the
+    per-request budget of EAGLE-2 and SGLang — closed under ancestors.
     """
 
     name = "fixed"
+    supports_trees = True
 
     def __init__(self, k: int) -> None:
         self.k = check_int("k", k)
@@ -26,3 +36,11 @@ class FixedWindowSelector(Selector):
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
         lengths = available_lengths(draft_logprobs).clamp(max=self.k)
         return Selection.from_lengths(mask_inactive(lengths, active), draft_logprobs.shape[1])
+
+    def _select_tree(
+        self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor
+    ) -> Selection:
+        mask = cheapest_per_row(path_sums(draft_logprobs, parents).neg(), self.k)
+        if active is not None:
+            mask = mask & active.unsqueeze(1)
+        return Selection(lengths=mask.sum(dim=1), mask=mask)

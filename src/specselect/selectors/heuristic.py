@@ -83,6 +83,7 @@ class HeuristicSelector(Selector):
 
     def reset(self) -> None:
         """Forget every request's window; the next call starts a new batch at ``k0``."""
+        super().reset()
         self._windows: Tensor | None = None  # [B] int64, the only per-request state
 
     def reset_rows(self, rows: Tensor) -> None:

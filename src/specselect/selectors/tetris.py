@@ -6,14 +6,18 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int
+from specselect.estimators import ESTIMATORS, AcceptanceEstimator, RankingGuard, observed_outcomes
 from specselect.selection import (
     NEG_INF,
     Selection,
     Selector,
+    available_lengths,
     cached_constant,
     chain_scores,
     cheapest_mask,
+    mask_inactive,
 )
+from specselect.tree import path_sums
 
 
 class TetrisSelector(Selector):
@@ -24,39 +28,95 @@ class TetrisSelector(Selector):
     whole prefix. If the scores are calibrated, the expected number of accepted tokens is the sum
     of the selected scores' probabilities; scores never increase along a request, so the best
     ``C`` scores form a set of prefixes and the greedy choice is optimal (the paper's Theorem 1).
+    With ``parents=`` the same holds for draft trees: path scores never increase from a node to
+    its children, so the best ``C`` nodes are closed under ancestors.
 
     Args:
         k: mean window. The default budget is ``C = k * num_active``, the cost of standard SD.
         extra: additional tokens drafted per request beyond ``k``, so that easy requests can get
             longer windows than ``k``.
         budget: a fixed total ``C`` per step instead of ``k * num_active``.
+        estimator: an :class:`~specselect.estimators.AcceptanceEstimator` (or its registry name:
+            ``"draft"``, ``"calibrated"``, ``"history"``) that turns draft log-probabilities into
+            estimated acceptance log-probabilities before ranking; ``None`` ranks by the draft
+            probabilities themselves, as in the paper.
+        guard: fall back to the fixed window ``k`` while the ranking quality of the scores is
+            poor (see :class:`~specselect.estimators.RankingGuard`); ``True`` for the default
+            guard.
 
     Ties (equal scores, e.g. probability-1 tokens) go to shallower positions first, then to lower
     row indices, which keeps the selection prefix-closed with exactly ``min(C, available)`` tokens.
     """
 
     name = "tetris"
+    supports_trees = True
 
-    def __init__(self, k: int, extra: int = 2, budget: int | None = None) -> None:
+    def __init__(
+        self,
+        k: int,
+        extra: int = 2,
+        budget: int | None = None,
+        estimator: AcceptanceEstimator | str | None = None,
+        guard: RankingGuard | bool = False,
+    ) -> None:
         self.k = check_int("k", k)
         self.extra = check_int("extra", extra)
         self.budget = None if budget is None else check_int("budget", budget)
+        self.estimator = _make_estimator(estimator)
+        self.guard = RankingGuard() if guard is True else (guard or None)
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        if self.guard is not None:
+            self.guard.reset()
 
     def draft_length(self, num_active: int) -> int:
         check_int("num_active", num_active)
         return self.k + self.extra
 
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
-        rows, width = draft_logprobs.shape
-        budget = self.k * rows if self.budget is None else self.budget
         # Work with costs (|cumulative log q|, >= +0): abs also turns a -0.0 into +0.0, which is
         # what lets ``cheapest_mask`` skip its sign handling.
-        costs = chain_scores(draft_logprobs).abs_()  # [B, K], a fresh tensor
+        mask = self._best(chain_scores(draft_logprobs).abs_(), active)
+        if self.guard is not None:
+            fixed = available_lengths(draft_logprobs).clamp(max=self.k)
+            fallback = Selection.from_lengths(mask_inactive(fixed, active), mask.shape[1]).mask
+            mask = torch.where(self.guard.trusted(mask.device), mask, fallback)
+        return Selection(lengths=mask.sum(dim=1), mask=mask)
+
+    def _select_tree(
+        self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor
+    ) -> Selection:
+        mask = self._best(path_sums(draft_logprobs, parents).abs_(), active)
+        return Selection(lengths=mask.sum(dim=1), mask=mask)
+
+    def _best(self, costs: Tensor, active: Tensor | None) -> Tensor:
+        """``[B, K]`` mask of the ``C`` cheapest entries of ``costs`` (``[B, K]``, >= +0)."""
+        rows, width = costs.shape
+        budget = self.k * rows if self.budget is None else self.budget
         if active is not None:
             pad = min(self.k, width) if self.budget is None else 0
             costs = _absorb_inactive(costs, active, pad)
-        mask = cheapest_mask(costs, budget, nonnegative=True, keep=active)
-        return Selection(lengths=mask.sum(dim=1), mask=mask)
+        return cheapest_mask(costs, budget, nonnegative=True, keep=active)
+
+    def _update(self, selection: Selection, num_accepted: Tensor) -> None:
+        if self.guard is not None:
+            scores = self._last_inputs[1]
+            self.guard.observe(
+                scores, *observed_outcomes(selection.lengths, num_accepted, scores.shape[1])
+            )
+
+
+def _make_estimator(estimator: AcceptanceEstimator | str | None) -> AcceptanceEstimator | None:
+    if estimator is None or isinstance(estimator, AcceptanceEstimator):
+        return estimator
+    if isinstance(estimator, str) and estimator in ESTIMATORS:
+        return ESTIMATORS[estimator]()
+    raise ValueError(
+        f"estimator must be an AcceptanceEstimator or one of {', '.join(sorted(ESTIMATORS))}, "
+        f"got {estimator!r}"
+    )
 
 
 def _absorb_inactive(costs: Tensor, active: Tensor, pad: int) -> Tensor:

@@ -1,0 +1,139 @@
+"""Selecting draft-tree nodes: global best C (TETRIS) and per-request best n (fixed)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specselect import FixedWindowSelector, TetrisSelector, make_selector
+from specselect.tree import build_tree_buffers, chain_parents, path_sums
+
+SETTINGS = settings(max_examples=60, deadline=None)
+POOL = [1.0, 0.5, 0.5, 0.9, 0.25, 0.1, 0.0]  # ties and probability-0 nodes are common
+
+
+@st.composite
+def trees(draw: st.DrawFn, max_rows: int = 3, max_nodes: int = 6):
+    rows, nodes = draw(st.integers(1, max_rows)), draw(st.integers(0, max_nodes))
+    parents = torch.tensor(
+        [[draw(st.integers(-1, j - 1)) for j in range(nodes)] for _ in range(rows)],
+        dtype=torch.int64,
+    ).reshape(rows, nodes)
+    probs = torch.tensor(
+        draw(st.lists(st.sampled_from(POOL), min_size=rows * nodes, max_size=rows * nodes)),
+        dtype=torch.float64,
+    ).reshape(rows, nodes)
+    return parents, probs.log()
+
+
+def closed(mask: torch.Tensor, parents: torch.Tensor) -> bool:
+    """Every selected node's parent is selected (or is the root)."""
+    has_parent = parents >= 0
+    parent_taken = mask.gather(1, parents.clamp(min=0))
+    return bool((~mask | ~has_parent | parent_taken).all())
+
+
+def best_closed_total(scores: list[float], parents: list[int], budget: int) -> float:
+    """Brute force: the largest sum of exp(path score) over ancestor-closed sets <= budget."""
+    nodes = len(scores)
+    best = 0.0
+    for size in range(min(budget, nodes) + 1):
+        for subset in itertools.combinations(range(nodes), size):
+            chosen = set(subset)
+            if all(parents[j] < 0 or parents[j] in chosen for j in chosen) and all(
+                scores[j] > -math.inf for j in chosen
+            ):
+                best = max(best, sum(math.exp(scores[j]) for j in chosen))
+    return best
+
+
+@SETTINGS
+@given(trees(max_rows=1, max_nodes=7), st.integers(0, 8))
+def test_tetris_tree_selection_is_optimal_closed_and_exact(tree, budget: int) -> None:
+    parents, logprobs = tree
+    selection = TetrisSelector(k=0, budget=budget).select(logprobs, parents=parents)
+    scores = path_sums(logprobs, parents)
+    available = int((scores > -math.inf).sum())
+    assert int(selection.lengths.sum()) == min(budget, available)
+    assert closed(selection.mask, parents)
+    got = float(scores[selection.mask].exp().sum())
+    optimum = best_closed_total(scores[0].tolist(), parents[0].tolist(), budget)
+    assert math.isclose(got, optimum, rel_tol=1e-9, abs_tol=1e-12)
+
+
+@SETTINGS
+@given(trees(), st.integers(0, 4), st.data())
+def test_tree_selections_are_closed_with_exact_counts(tree, k: int, data) -> None:
+    parents, logprobs = tree
+    rows = parents.shape[0]
+    active = torch.tensor(data.draw(st.lists(st.booleans(), min_size=rows, max_size=rows)))
+    scores = path_sums(logprobs, parents)
+    available = (scores > -math.inf) & active.unsqueeze(1)
+    tetris = TetrisSelector(k=k).select(logprobs, active, parents=parents)
+    fixed = FixedWindowSelector(k=k).select(logprobs, active, parents=parents)
+    for selection in (tetris, fixed):
+        assert closed(selection.mask, parents)
+        assert not (selection.mask & ~available).any()
+        assert torch.equal(selection.lengths, selection.mask.sum(1))
+    budget = k * int(active.sum())
+    assert int(tetris.lengths.sum()) == min(budget, int(available.sum()))
+    assert torch.equal(fixed.lengths, available.sum(1).clamp(max=k))
+
+
+@SETTINGS
+@given(trees(), st.integers(0, 4))
+def test_per_request_baseline_keeps_each_rows_best_nodes(tree, k: int) -> None:
+    parents, logprobs = tree
+    mask = FixedWindowSelector(k=k).select(logprobs, parents=parents).mask
+    scores = path_sums(logprobs, parents)
+    for i in range(parents.shape[0]):
+        taken, left = scores[i][mask[i]], scores[i][~mask[i] & (scores[i] > -math.inf)]
+        if len(taken) and len(left):
+            assert taken.min() >= left.max()
+
+
+@SETTINGS
+@given(st.integers(1, 4), st.integers(0, 6), st.integers(0, 4), st.integers(0, 99))
+def test_chain_trees_reproduce_the_flat_selection(rows: int, width: int, k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    logprobs = torch.tensor(POOL).log()[torch.randint(0, len(POOL), (rows, width), generator=gen)]
+    parents = chain_parents(rows, width)
+    for selector in (TetrisSelector(k=k, extra=1), FixedWindowSelector(k=k)):
+        flat = selector.select(logprobs)
+        tree = selector.select(logprobs, parents=parents)
+        assert torch.equal(flat.mask, tree.mask)
+        assert torch.equal(flat.lengths, tree.lengths)
+
+
+def test_path_sums_agree_with_the_ancestor_matrix() -> None:
+    parents = torch.tensor([[-1, 0, 0, 1, 3, -1, 5]])
+    values = torch.rand(1, 7, dtype=torch.float64)
+    buffers = build_tree_buffers(parents)
+    via_matrix = (buffers.ancestors.double() * values.unsqueeze(1)).sum(2)
+    assert torch.allclose(path_sums(values, parents), via_matrix)
+
+
+@pytest.mark.parametrize("name", ["dsd", "threshold", "heuristic"])
+def test_chain_only_selectors_refuse_trees(name: str) -> None:
+    kwargs = {"dsd": {}, "threshold": {"max_k": 3, "threshold": 0.5}, "heuristic": {}}[name]
+    selector = make_selector(name, **kwargs)
+    with pytest.raises(TypeError, match="does not select draft-tree nodes"):
+        selector.select(torch.zeros(2, 3), parents=chain_parents(2, 3))
+
+
+@pytest.mark.parametrize(
+    ("parents", "match"),
+    [
+        (torch.tensor([[-1, 2, 0]]), r"parents\[0, 1\] = 2"),
+        (torch.tensor([[-1, 0]]), "3 columns"),
+        (torch.tensor([[-1, 0, 1], [-1, 0, 1]]), "1 rows"),
+    ],
+)
+def test_bad_parents_are_rejected(parents: torch.Tensor, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TetrisSelector(k=1).select(torch.zeros(1, 3), parents=parents)
