@@ -13,6 +13,19 @@ ESTIMATORS: dict[str, type[AcceptanceEstimator]] = {
     RequestHistory.name: RequestHistory,
 }
 
+
+def make_estimator(estimator: AcceptanceEstimator | str | None) -> AcceptanceEstimator | None:
+    """An estimator instance from an instance, a registry name, or ``None`` (no estimator)."""
+    if estimator is None or isinstance(estimator, AcceptanceEstimator):
+        return estimator
+    if isinstance(estimator, str) and estimator in ESTIMATORS:
+        return ESTIMATORS[estimator]()
+    raise ValueError(
+        f"estimator must be an AcceptanceEstimator or one of {', '.join(sorted(ESTIMATORS))}, "
+        f"got {estimator!r}"
+    )
+
+
 __all__ = [
     "ESTIMATORS",
     "AcceptanceEstimator",
@@ -20,5 +33,6 @@ __all__ = [
     "DraftProbability",
     "RankingGuard",
     "RequestHistory",
+    "make_estimator",
     "observed_outcomes",
 ]

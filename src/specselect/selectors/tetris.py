@@ -6,7 +6,12 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int
-from specselect.estimators import ESTIMATORS, AcceptanceEstimator, RankingGuard, observed_outcomes
+from specselect.estimators import (
+    AcceptanceEstimator,
+    RankingGuard,
+    make_estimator,
+    observed_outcomes,
+)
 from specselect.selection import (
     NEG_INF,
     Selection,
@@ -62,7 +67,7 @@ class TetrisSelector(Selector):
         self.k = check_int("k", k)
         self.extra = check_int("extra", extra)
         self.budget = None if budget is None else check_int("budget", budget)
-        self.estimator = _make_estimator(estimator)
+        self.estimator = make_estimator(estimator)
         self.guard = RankingGuard() if guard is True else (guard or None)
         self.reset()
 
@@ -106,17 +111,6 @@ class TetrisSelector(Selector):
             self.guard.observe(
                 scores, *observed_outcomes(selection.lengths, num_accepted, scores.shape[1])
             )
-
-
-def _make_estimator(estimator: AcceptanceEstimator | str | None) -> AcceptanceEstimator | None:
-    if estimator is None or isinstance(estimator, AcceptanceEstimator):
-        return estimator
-    if isinstance(estimator, str) and estimator in ESTIMATORS:
-        return ESTIMATORS[estimator]()
-    raise ValueError(
-        f"estimator must be an AcceptanceEstimator or one of {', '.join(sorted(ESTIMATORS))}, "
-        f"got {estimator!r}"
-    )
 
 
 def _absorb_inactive(costs: Tensor, active: Tensor, pad: int) -> Tensor:

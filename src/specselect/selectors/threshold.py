@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int, check_probability
+from specselect.estimators import AcceptanceEstimator, make_estimator
 from specselect.selection import Selection, Selector, available_lengths, mask_inactive
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -52,12 +53,20 @@ class ThresholdSelector(Selector):
     Args:
         max_k: tokens drafted per request, and the most any request verifies.
         threshold: smallest draft probability a verified token may have, in ``[0, 1]``.
+        estimator: optional acceptance estimator (instance or registry name); the threshold
+            then applies to the estimated acceptance probability instead of ``q``.
     """
 
     name = "threshold"
 
-    def __init__(self, max_k: int, threshold: float) -> None:
+    def __init__(
+        self,
+        max_k: int,
+        threshold: float,
+        estimator: AcceptanceEstimator | str | None = None,
+    ) -> None:
         self.max_k = check_int("max_k", max_k)
+        self.estimator = make_estimator(estimator)
         self.threshold = check_probability("threshold", threshold)
         # Host-side, once: ``select`` then only looks the value up (compiles without breaks).
         self._log_thresholds = {dt: dtype_log_threshold(self.threshold, dt) for dt in FLOAT_DTYPES}
