@@ -10,6 +10,7 @@ from scipy.stats import chi2
 
 from specselect import TetrisSelector
 from specselect.scores import causal_logprobs, expected_self_logprob
+from specselect.tree import build_tree_buffers
 from specselect.verify import rejection_verify
 
 ALPHA = 0.001  # significance level of the goodness-of-fit test
@@ -110,3 +111,29 @@ def test_tetris_on_raw_draft_probabilities_is_not_lossless() -> None:
 def test_causal_scores_keep_shapes(rows: int) -> None:
     out = causal_logprobs(torch.zeros(rows, 0), torch.zeros(rows, 0))
     assert out.shape == (rows, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 7), st.data())
+def test_tree_node_ignores_its_own_and_later_siblings_tokens(nodes: int, data) -> None:
+    parents = torch.tensor([[data.draw(st.integers(-1, j - 1)) for j in range(nodes)]])
+    token = torch.rand(1, nodes, dtype=torch.float64).log()
+    expected = torch.rand(1, nodes, dtype=torch.float64).clamp(min=0.05).log()
+    j = data.draw(st.integers(0, nodes - 1))
+    changed = token.clone()
+    changed[0, j] = data.draw(st.sampled_from([0.0, -3.0, float("-inf")]))
+    before = causal_logprobs(token, expected, parents)
+    after = causal_logprobs(changed, expected, parents)
+    descendants = build_tree_buffers(parents).ancestors[0, :, j]  # nodes below (or at) j
+    descendants[j] = False
+    # Only j's descendants may change: not j, not its siblings, nothing elsewhere.
+    assert torch.equal(before[0, ~descendants], after[0, ~descendants])
+    assert (before <= 0).all()
+
+
+def test_later_siblings_are_discounted() -> None:
+    parents = torch.tensor([[-1, -1, -1]])
+    token = torch.zeros(1, 3)
+    expected = torch.full((1, 3), 0.5).log()
+    scores = causal_logprobs(token, expected, parents).exp()[0]
+    assert torch.allclose(scores, torch.tensor([0.5, 0.25, 0.125]))

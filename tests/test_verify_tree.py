@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chi2
 
+from specselect import TetrisSelector
+from specselect.scores import causal_logprobs, expected_self_logprob
 from specselect.tree import build_tree_buffers, chain_parents
 from specselect.verify import greedy_verify
 from specselect.verify_tree import tree_greedy_verify, tree_rejection_verify
@@ -90,8 +92,13 @@ def test_greedy_on_a_chain_equals_chain_verification(rows, width, seed) -> None:
 PARENTS = [-1, -1, 0, 0, 1, 1]
 
 
-def _sampled_tree_step(sampled: bool, selected_nodes: list[int], rows: int, seed: int):
-    """Draft one tree per row, verify it, return the first two emitted tokens and the target."""
+def _sampled_tree_step(sampled: bool, selected_nodes: list[int] | str, rows: int, seed: int):
+    """Draft one tree per row, verify it, return the first two emitted tokens and the target.
+
+    ``selected_nodes`` is a fixed node list, or ``"tetris-causal"`` / ``"tetris-raw"``: TETRIS
+    (k = 2) over the batch on causal scores (:mod:`specselect.scores`) or on raw draft
+    probabilities.
+    """
     gen = torch.Generator().manual_seed(seed)
     vocab = 4
     p_root = torch.softmax(2 * torch.randn(vocab, generator=gen), -1)
@@ -110,8 +117,18 @@ def _sampled_tree_step(sampled: bool, selected_nodes: list[int], rows: int, seed
     root_q, root_p = q_root.expand(rows, 1, vocab), p_root.expand(rows, 1, vocab)
     draft_probs = torch.cat([root_q, q_next[tokens]], dim=1)  # [B, 7, V]
     target_probs = torch.cat([root_p, p_next[tokens]], dim=1)
-    selected = torch.zeros(rows, 6, dtype=torch.bool)
-    selected[:, selected_nodes] = True
+    if isinstance(selected_nodes, str):
+        parent_dist = draft_probs.gather(  # node j was drawn from its parent's q
+            1, (parents + 1).unsqueeze(2).expand(-1, -1, vocab)
+        )  # [B, 6, V]
+        token_lp = parent_dist.gather(2, tokens.unsqueeze(2)).squeeze(2).log()
+        scores = token_lp
+        if selected_nodes == "tetris-causal":
+            scores = causal_logprobs(token_lp, expected_self_logprob(parent_dist), parents)
+        selected = TetrisSelector(k=2).select(scores, parents=parents).mask
+    else:
+        selected = torch.zeros(rows, 6, dtype=torch.bool)
+        selected[:, selected_nodes] = True
     verdict = tree_rejection_verify(
         tokens,
         selected,
@@ -141,8 +158,19 @@ def _sampled_tree_step(sampled: bool, selected_nodes: list[int], rows: int, seed
 
 
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled-children", "top-k-children"])
-@pytest.mark.parametrize("selected_nodes", [[0, 1, 2, 3, 4, 5], [0, 1, 2], [0], []])
-def test_tree_sampling_is_lossless(sampled: bool, selected_nodes: list[int]) -> None:
+@pytest.mark.parametrize(
+    "selected_nodes", [[0, 1, 2, 3, 4, 5], [0, 1, 2], [0], [], "tetris-causal"]
+)
+def test_tree_sampling_is_lossless(sampled: bool, selected_nodes: list[int] | str) -> None:
+    assert _pvalue(sampled, selected_nodes) > ALPHA
+
+
+def test_tetris_on_raw_tree_scores_is_not_lossless() -> None:
+    """The same test sees the bias of ranking sampled children by their own probability."""
+    assert _pvalue(True, "tetris-raw") < 1e-6
+
+
+def _pvalue(sampled: bool, selected_nodes: list[int] | str) -> float:
     pairs, joint, _ = _sampled_tree_step(sampled, selected_nodes, rows=60_000, seed=1)
     counts = torch.bincount(pairs, minlength=joint.numel()).double()
     expected = joint.double() * counts.sum()
@@ -152,7 +180,7 @@ def test_tree_sampling_is_lossless(sampled: bool, selected_nodes: list[int]) -> 
     if rest_e > 0:
         stat = stat + (rest_c - rest_e) ** 2 / rest_e
     dof = int(keep.sum()) + int(rest_e > 0) - 1
-    assert chi2.sf(float(stat), dof) > ALPHA
+    return float(chi2.sf(float(stat), dof))
 
 
 def test_more_children_accept_more() -> None:

@@ -42,24 +42,50 @@ def expected_self_logprob(draft_probs: Tensor) -> Tensor:
     return q.square().sum(dim=-1).clamp(max=1.0).log()
 
 
-def causal_logprobs(token_logprobs: Tensor, expected_logprobs: Tensor) -> Tensor:
-    """Per-position log-scores for sampled drafts that keep any selection lossless.
+def causal_logprobs(
+    token_logprobs: Tensor,  # [B, K]
+    expected_logprobs: Tensor,  # [B, K]
+    parents: Tensor | None = None,  # [B, K] int
+) -> Tensor:  # [B, K]
+    """Per-position (or per-node) log-scores for sampled drafts that keep any selection lossless.
 
     Args:
         token_logprobs: ``[B, K]`` log q of each sampled draft token (``-inf`` allowed).
-        expected_logprobs: ``[B, K]`` :func:`expected_self_logprob` of each position's draft
-            distribution.
+        expected_logprobs: ``[B, K]`` :func:`expected_self_logprob` of the distribution each
+            token was sampled from.
+        parents: optional ``[B, K]`` draft-tree parents (:mod:`specselect.tree`); ``None`` for
+            chains. Siblings drawn independently from the same distribution are tried one after
+            another by multi-candidate verification, so the ``m``-th sibling is only reached
+            after ``m - 1`` rejections: its expected term is discounted by
+            ``(1 - E)^(m - 1)`` with ``E = exp(expected_logprobs)``.
 
     Returns:
-        ``[B, K]`` values <= 0 whose cumulative sum at ``j`` is
-        ``min_{t<=j} (sum_{s<t} token_logprobs[s] + expected_logprobs[t])``. Position ``j``
-        depends only on tokens before ``j``. A ``-inf`` token log-prob at ``j`` makes positions
-        ``> j`` ``-inf`` (nothing after an impossible token can be verified) but not ``j``.
+        ``[B, K]`` values <= 0 whose sum along each root-to-node path is the running minimum,
+        along that path, of ``(sum of token_logprobs over strict ancestors) + expected term``.
+        A node's value depends only on its ancestors' tokens, its parent's distribution and its
+        rank among its siblings — never on its own token or a later sibling's. A ``-inf`` token
+        log-prob makes every descendant ``-inf`` but not the node itself.
     """
+    if parents is None:
+        from specselect.tree import chain_parents
+
+        parents = chain_parents(*token_logprobs.shape, device=token_logprobs.device)
+    from specselect.tree import path_reduce, sibling_rank
+
     tokens = token_logprobs.to(torch.promote_types(token_logprobs.dtype, torch.float32))
-    before = torch.cat([tokens.new_zeros(tokens.shape[0], 1), tokens.cumsum(dim=1)[:, :-1]], 1)
-    scores = torch.cummin(before + expected_logprobs.to(before.dtype), dim=1).values  # [B, K]
-    previous = torch.cat([scores.new_zeros(scores.shape[0], 1), scores[:, :-1]], dim=1)
+    expected = expected_logprobs.to(tokens.dtype)
+    safe = parents.clamp(min=0)
+    has_parent = parents >= 0
+    through = path_reduce(tokens, parents, torch.add)  # [B, K] incl. the node itself
+    before = torch.where(has_parent, through.gather(1, safe), 0.0)  # strict ancestors only
+    earlier_siblings = (sibling_rank(parents) - 1).to(tokens.dtype)
+    # 0 * log(0) would be NaN for a first child of a certain distribution: no discount there.
+    discount = torch.where(
+        earlier_siblings > 0, earlier_siblings * torch.log1p(-expected.exp()), 0.0
+    )
+    raw = before + expected + discount
+    scores = path_reduce(raw, parents, torch.minimum)  # [B, K] non-increasing down paths
+    previous = torch.where(has_parent, scores.gather(1, safe), 0.0)
     increments = scores - previous
-    # -inf - -inf is NaN: once the score is -inf, every later increment is -inf too.
+    # -inf - -inf is NaN: once a path is -inf, every node below it stays -inf.
     return torch.where(previous == float("-inf"), float("-inf"), increments).clamp(max=0.0)

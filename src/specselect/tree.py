@@ -23,6 +23,7 @@ a few named buffers (the same idea as Medusa's tree buffers, batched and per req
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,19 +63,37 @@ class TreeBuffers:
 def path_sums(values: Tensor, parents: Tensor) -> Tensor:
     """``[B, N]``: for each node, the sum of ``values`` (``[B, N]``) over its ancestors-or-self.
 
-    Pointer jumping: after round ``r`` every node holds the sum over its ``2**r`` nearest
-    ancestors-or-self and points ``2**r`` levels up, so ``ceil(log2(N))`` rounds of gathers
-    cover any depth, with no host sync and no ``[B, N, N]`` intermediate. Works for chains
-    (where it equals ``cumsum``) and for trees alike. Sums are float32 or wider.
+    Works for chains (where it equals ``cumsum``) and for trees alike; see :func:`path_reduce`.
+    """
+    return path_reduce(values, parents, torch.add)
+
+
+def path_reduce(
+    values: Tensor, parents: Tensor, combine: Callable[[Tensor, Tensor], Tensor]
+) -> Tensor:
+    """Combine ``values`` (``[B, N]``) over each node's ancestors-or-self with ``combine``.
+
+    ``combine`` is an associative elementwise op (``torch.add``, ``torch.minimum``). Pointer
+    jumping: after round ``r`` every node holds the combination over its ``2**r`` nearest
+    ancestors-or-self and points ``2**r`` levels up, so ``ceil(log2(N))`` rounds of gathers cover
+    any depth, with no host sync and no ``[B, N, N]`` intermediate. Results are float32 or wider.
     """
     total = values.to(torch.promote_types(values.dtype, torch.float32), copy=True)
     up = parents.to(torch.int64)
     for _ in range(max(values.shape[1] - 1, 0).bit_length()):
         has_up = up >= 0
         safe = up.clamp(min=0)
-        total = total + torch.where(has_up, total.gather(1, safe), 0.0)
+        total = torch.where(has_up, combine(total, total.gather(1, safe)), total)
         up = torch.where(has_up, up.gather(1, safe), -1)
     return total
+
+
+def sibling_rank(parents: Tensor) -> Tensor:
+    """``[B, N]`` int64: 1 + the number of earlier nodes with the same parent (1-based)."""
+    nodes = parents.shape[1]
+    earlier = torch.ones(nodes, nodes, dtype=torch.bool, device=parents.device).tril(-1)
+    same = parents.unsqueeze(2) == parents.unsqueeze(1)  # [B, N, N]
+    return (same & earlier).sum(dim=2) + 1
 
 
 def chain_parents(rows: int, width: int, device: torch.device | str = "cpu") -> Tensor:
