@@ -1,0 +1,548 @@
+"""The ``specselect`` command line: ``specselect compare`` (also ``python -m specselect``).
+
+``compare`` answers the question a user brings: on *my* models and prompts, which selector wins
+and by how much? It only wires library pieces together — :func:`specselect.replay.record_traces`,
+:func:`specselect.replay.compare_replay` (exact greedy replay, every selector and the oracle),
+``speculative_generate`` for ``--mode live``, and :func:`specselect.report.write_report`.
+
+User errors (a missing model directory, an empty or unreadable prompts file, an unknown selector,
+an invalid grid value) print one line on stderr and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specselect.cost import CostModel
+from specselect.metrics import StepCounts, Totals
+from specselect.replay import (
+    OracleSelector,
+    SelectorConfig,
+    Traces,
+    compare_replay,
+    left_pad,
+    load_traces,
+    record_traces,
+    save_traces,
+    selector_grid,
+    traces_summary,
+)
+from specselect.report import ResultRow, format_table, write_report
+
+EXIT_USAGE = 2
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class UsageError(Exception):
+    """A problem with the user's input: reported on stderr, exit status 2, no traceback."""
+
+
+# --------------------------------------------------------------------------------------------
+# Argument parsing
+# --------------------------------------------------------------------------------------------
+
+
+def _int_list(option: str, minimum: int) -> Any:
+    """An argparse ``type`` for comma-separated ints ``>= minimum`` (duplicates dropped)."""
+
+    def parse(text: str) -> list[int]:
+        values: list[int] = []
+        for item in text.split(","):
+            item = item.strip()
+            try:
+                value = int(item)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{option} expects comma-separated integers, got {item!r}"
+                ) from None
+            if value < minimum:
+                raise argparse.ArgumentTypeError(
+                    f"{option} values must be >= {minimum}, got {value}"
+                )
+            if value not in values:
+                values.append(value)
+        return values
+
+    return parse
+
+
+def _name_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("--selectors expects comma-separated selector names")
+    return names
+
+
+def _positive(option: str) -> Any:
+    """An argparse ``type`` for one integer >= 1."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{option} expects an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{option} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specselect",
+        description="Choose which draft tokens the target verifies in batched speculative "
+        "decoding: compare selectors on your models and prompts.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    compare = commands.add_parser(
+        "compare",
+        help="compare selectors (exact greedy replay, or live generation)",
+        description="Record greedy traces of a target/draft pair on a set of prompts and "
+        "compare selectors on them: tokens per step, VSR and goodput, each relative to "
+        "fixed-window speculative decoding at the same k, with the oracle as the upper bound. "
+        "Defaults to the pair and prompts shipped with specselect.",
+    )
+    models = compare.add_argument_group("models and prompts")
+    models.add_argument(
+        "--target",
+        type=Path,
+        help="local HF model directory of the target "
+        "(its tokenizer is used); default: the shipped tiny pair",
+    )
+    models.add_argument("--draft", type=Path, help="local HF model directory of the draft")
+    models.add_argument(
+        "--prompts",
+        type=Path,
+        help=".txt (one prompt per line) or .jsonl "
+        "(objects with a 'text' field); default: the shipped prompts",
+    )
+    models.add_argument("--limit", type=_positive("--limit"), help="use the first N prompts")
+    models.add_argument(
+        "--traces",
+        type=Path,
+        help="reuse traces from this file if it exists, else record them and save them there",
+    )
+    grid = compare.add_argument_group("selectors and grids")
+    grid.add_argument(
+        "--selectors",
+        type=_name_list,
+        default=None,
+        help="comma-separated registry names (default: all registered); fixed SD "
+        "and the oracle are always included",
+    )
+    grid.add_argument(
+        "--k",
+        type=_int_list("--k", 1),
+        default=[2, 3, 4],
+        help="mean windows k, e.g. 2,3,4 (budget per request)",
+    )
+    grid.add_argument(
+        "--extra",
+        type=_int_list("--extra", 0),
+        default=[1, 2, 3],
+        help="extra draft tokens beyond k, e.g. 1,2,3",
+    )
+    grid.add_argument(
+        "--budget",
+        type=_int_list("--budget", 0),
+        default=[],
+        help="absolute budgets C (draft tokens verified per step over the batch) "
+        "for selectors that take one (TETRIS, oracle), in addition to k * active",
+    )
+    run = compare.add_argument_group("run")
+    run.add_argument("--slots", type=_positive("--slots"), default=32, help="batch slots")
+    run.add_argument(
+        "--max-new-tokens",
+        type=_positive("--max-new-tokens"),
+        default=64,
+        help="tokens generated per request (EOS does not stop a request)",
+    )
+    run.add_argument(
+        "--mode",
+        choices=("replay", "live"),
+        default="replay",
+        help="replay: exact greedy replay with modelled goodput (default); live: run "
+        "speculative_generate and measure wall-clock goodput",
+    )
+    run.add_argument("--device", default="cpu", help="torch device for the models")
+    run.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype")
+    run.add_argument("--seed", type=int, default=0, help="torch seed")
+    run.add_argument(
+        "--out",
+        type=Path,
+        default=Path("specselect-compare"),
+        help="output directory (results.json, report.md, plots, traces.pt)",
+    )
+    run.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    compare.set_defaults(func=run_compare)
+    return parser
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+
+def read_prompts(path: Path) -> list[str]:
+    """Prompts from ``path``: ``.jsonl`` objects with a ``text`` field, else one per line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"prompts file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read prompts file {str(path)!r}: {exc}") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if path.suffix == ".jsonl":
+        prompts = [_jsonl_text(path, n, line) for n, line in lines]
+    else:
+        prompts = [line for _, line in lines]
+    if not prompts:
+        raise UsageError(f"prompts file {str(path)!r} holds no prompts")
+    return prompts
+
+
+def _jsonl_text(path: Path, number: int, line: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise UsageError(f"{path}:{number}: expected an object with a string 'text' field")
+    return record["text"]
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Everything ``compare`` needs besides the grid."""
+
+    target: Any
+    draft: Any
+    tokenizer: Any
+    prompts: list[str]
+    source: str
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """``--target`` and ``--draft`` come together and name HF model directories."""
+    if (args.target is None) != (args.draft is None):
+        raise UsageError(
+            "--target and --draft go together: give both, or neither for the shipped pair"
+        )
+    if args.target is not None:
+        _check_model_dir("--target", args.target)
+        _check_model_dir("--draft", args.draft)
+
+
+def _check_model_dir(option: str, path: Path) -> None:
+    if not path.is_dir():
+        raise UsageError(f"{option} {str(path)!r} is not a directory")
+    if not (path / "config.json").is_file():
+        raise UsageError(f"{option} {str(path)!r} has no config.json (not an HF model directory)")
+
+
+def load_inputs(args: argparse.Namespace) -> Inputs:
+    """Models, tokenizer and prompt texts (the shipped ones unless the user gave their own)."""
+    check_model_args(args)
+    given = read_prompts(args.prompts) if args.prompts is not None else None
+    if args.target is not None and given is None:
+        raise UsageError("--prompts is required with --target/--draft")
+    prompts: list[str]
+    if args.target is None:
+        target, draft, tokenizer, shipped = _shipped(args)
+        prompts = shipped if given is None else given
+        source = "shipped tiny pair"
+    else:
+        assert given is not None  # checked above
+        prompts = given
+        target, draft, tokenizer = _from_dirs(args)
+        source = f"target {args.target}, draft {args.draft}"
+    if args.limit is not None:
+        prompts = prompts[: args.limit]
+    return Inputs(target, draft, tokenizer, prompts, source)
+
+
+def _shipped(args: argparse.Namespace) -> tuple[Any, Any, Any, list[str]]:
+    """The shipped pair and prompts (``specselect.models``), or a usage error saying why not."""
+    try:
+        from specselect.models import load_prompts, load_tiny_pair
+    except ImportError as exc:
+        raise UsageError(
+            f"the shipped pair is not available ({exc}); pass --target, --draft and --prompts"
+        ) from None
+    try:
+        prompts = [p["text"] for p in load_prompts()]
+        target, draft, tokenizer = load_tiny_pair(DTYPES[args.dtype], args.device)
+    except (FileNotFoundError, OSError, ValueError) as exc:
+        raise UsageError(f"cannot load the shipped pair: {exc}") from None
+    return target, draft, tokenizer, prompts
+
+
+def _from_dirs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """``(target, draft, tokenizer)`` from local directories; the tokenizer is the target's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
+        target, draft = (
+            AutoModelForCausalLM.from_pretrained(
+                path, dtype=DTYPES[args.dtype], local_files_only=True
+            )
+            .to(args.device)
+            .eval()
+            for path in (args.target, args.draft)
+        )
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise UsageError(f"cannot load the models: {exc}") from None
+    return target, draft, tokenizer
+
+
+def tokenize(tokenizer: Any, prompts: Sequence[str]) -> list[Tensor]:
+    """Token ids of each prompt (the tokenizer's own special tokens included)."""
+    ids = []
+    for index, text in enumerate(prompts):
+        tokens = tokenizer(text)["input_ids"]
+        if not tokens:
+            raise UsageError(f"prompt {index} tokenizes to nothing: {text[:40]!r}")
+        ids.append(torch.tensor(tokens, dtype=torch.int64))
+    return ids
+
+
+# --------------------------------------------------------------------------------------------
+# Traces
+# --------------------------------------------------------------------------------------------
+
+
+def obtain_traces(args: argparse.Namespace, max_k: int) -> tuple[Traces, Inputs | None]:
+    """Load ``--traces`` if it exists (checked against the run), else record (and save) them."""
+    path: Path | None = args.traces
+    if path is not None and path.exists():
+        try:
+            traces = load_traces(path)
+        except (ValueError, FileNotFoundError) as exc:
+            raise UsageError(str(exc)) from None
+        _check_loaded(traces, path, max_k, args.max_new_tokens)
+        inputs = load_inputs(args) if args.mode == "live" else None
+        if args.limit is not None:
+            traces = traces.subset(range(min(args.limit, traces.num_requests)))
+        return traces, inputs
+    inputs = load_inputs(args)
+    prompt_ids = tokenize(inputs.tokenizer, inputs.prompts)
+    traces = record_traces(
+        inputs.target,
+        inputs.draft,
+        prompt_ids,
+        args.max_new_tokens,
+        max_k,
+        progress=not args.quiet,
+        meta={"source": inputs.source},
+    )
+    save_traces(traces, path if path is not None else args.out / "traces.pt")
+    return traces, inputs
+
+
+def _check_loaded(traces: Traces, path: Path, max_k: int, max_new_tokens: int) -> None:
+    if traces.max_k < max_k:
+        raise UsageError(
+            f"traces {str(path)!r} hold max_k={traces.max_k} draft tokens; this grid "
+            f"needs {max_k} (record again into a new file)"
+        )
+    if traces.max_new_tokens != max_new_tokens:
+        raise UsageError(
+            f"traces {str(path)!r} were recorded with max_new_tokens="
+            f"{traces.max_new_tokens}, not {max_new_tokens}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Live mode
+# --------------------------------------------------------------------------------------------
+
+
+_NO_EOS: list[int] = []
+"""Passed as ``eos_token_id``: no token stops a request, as in the traces."""
+
+
+def live_totals(
+    inputs: Inputs,
+    prompt_ids: Sequence[Tensor],
+    config: SelectorConfig,
+    slots: int,
+    max_new_tokens: int,
+    cost_model: CostModel,
+) -> Totals:
+    """Run ``speculative_generate`` for real over the prompts in static batches of ``slots``.
+
+    Greedy, no EOS stop (as the traces), one fresh selector per batch. Goodput is measured: the
+    totals' seconds are the wall-clock time of the ``speculative_generate`` calls.
+    """
+    from specselect.hf import speculative_generate
+
+    steps: list[StepCounts] = []
+    seconds = 0.0
+    device = next(inputs.target.parameters()).device
+    for start in range(0, len(prompt_ids), slots):
+        ids, mask = left_pad(prompt_ids[start : start + slots], device)
+        selector = config.build(cost_model)
+        began = time.perf_counter()
+        output = speculative_generate(
+            inputs.target,
+            inputs.draft,
+            ids,
+            mask,
+            selector=selector,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=_NO_EOS,
+            pad_token_id=0,
+        )
+        seconds += time.perf_counter() - began
+        steps.extend(output.stats.steps)
+    return replace(Totals.of(steps), seconds=seconds)
+
+
+# --------------------------------------------------------------------------------------------
+# compare
+# --------------------------------------------------------------------------------------------
+
+
+def _selector_names(args: argparse.Namespace) -> list[str]:
+    from specselect.registry import available_selectors
+
+    names = args.selectors if args.selectors is not None else available_selectors()
+    names = list(dict.fromkeys(["fixed", *names, OracleSelector.name]))
+    return names
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """The ``compare`` command (see the module docstring)."""
+    began = time.perf_counter()
+    torch.manual_seed(args.seed)
+    check_model_args(args)
+    try:
+        configs = selector_grid(_selector_names(args), args.k, args.extra, args.budget)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    max_k = max(args.k) + max(args.extra)
+    traces, inputs = obtain_traces(args, max_k)
+    cost_model = CostModel()
+    replayed = compare_replay(traces, configs, args.slots, cost_model, progress=not args.quiet)
+    rows = [_row(config, result.totals, "modelled") for config, result in replayed]
+    if args.mode == "live":
+        rows = _live_rows(args, inputs, traces, configs, rows, cost_model)
+    meta = _meta(args, traces, cost_model, time.perf_counter() - began)
+    written = write_report(rows, args.out, meta, plots=not args.no_plots and _have_matplotlib())
+    print(format_table(rows))
+    print()
+    for kind, path in written.items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+def _row(config: SelectorConfig, totals: Totals, goodput_kind: str) -> ResultRow:
+    params = {k: v for k, v in config.kwargs.items() if isinstance(v, int | float | str | None)}
+    return ResultRow(
+        config.name, config.k, config.extra, config.budget, totals, goodput_kind, params
+    )
+
+
+def _live_rows(
+    args: argparse.Namespace,
+    inputs: Inputs | None,
+    traces: Traces,
+    configs: Sequence[SelectorConfig],
+    replayed: list[ResultRow],
+    cost_model: CostModel,
+) -> list[ResultRow]:
+    """Live rows for every real selector; the oracle keeps its replay row (it cannot run live).
+
+    A short untimed warm-up run comes first: the first forward passes of a process pay for
+    one-off initialisation, which would otherwise be charged to the first configuration.
+    """
+    if inputs is None or inputs.target is None:
+        raise UsageError("--mode live needs the models")
+    prompt_ids = list(traces.prompt_ids)
+    warm_up = SelectorConfig("fixed", 1, None, None, {"k": 1})
+    live_totals(inputs, prompt_ids[: args.slots], warm_up, args.slots, 4, cost_model)
+    rows = []
+    for config, row in zip(configs, replayed, strict=True):
+        if config.name == OracleSelector.name:
+            rows.append(row)
+            continue
+        totals = live_totals(
+            inputs, prompt_ids, config, args.slots, args.max_new_tokens, cost_model
+        )
+        rows.append(_row(config, totals, "measured"))
+    return rows
+
+
+def _meta(args: argparse.Namespace, traces: Traces, cost: CostModel, seconds: float) -> dict:
+    return {
+        "command": " ".join(["specselect", *args.argv]),
+        "mode": args.mode,
+        "slots": args.slots,
+        "max_new_tokens": args.max_new_tokens,
+        "k": args.k,
+        "extra": args.extra,
+        "budget": args.budget,
+        "seed": args.seed,
+        "device": args.device,
+        "dtype": args.dtype,
+        "cost_model": asdict(cost),
+        "traces": traces_summary(traces),
+        "models": {key: traces.meta.get(key) for key in ("target", "draft", "source")},
+        "versions": traces.meta.get("versions"),
+        "eos": "ignored: every request runs to max_new_tokens",
+        "wall_seconds": round(seconds, 2),
+    }
+
+
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(
+            "specselect: matplotlib is not installed; skipping plots "
+            "(pip install 'specselect[plot]')",
+            file=sys.stderr,
+        )
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (2 for user errors, without traceback)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed usage and the error on stderr
+        return int(exc.code or 0)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        print(f"specselect: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

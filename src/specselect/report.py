@@ -1,0 +1,472 @@
+"""Comparison reports: a console table, a JSON file, a markdown report and PNG plots.
+
+Every number comes from :class:`specselect.metrics.Totals` (the one definition of the metrics).
+Each selector configuration is shown next to fixed-window speculative decoding at the same
+``k`` (standard SD, the baseline every selector must beat), and the oracle's row is the upper
+bound that a selector with perfect knowledge of acceptance would reach.
+
+The distinct per-step quantities shown besides tokens per step and VSR are per *request-step*
+(per active request per step), the same axis as ``k``:
+
+* ``verified / request-step``: the budget a selector actually spent (fixed SD: ``k``, less near
+  the end of requests; dynamic selectors: whatever they chose);
+* ``accepted / request-step``: ``tokens per step - 1``, shown because relative changes are
+  clearer on it. (Accepted per verified token is the VSR itself.)
+
+matplotlib is imported only when plots are drawn, and through its object-oriented API
+(``Figure`` + Agg canvas), so that writing a report never changes the caller's pyplot backend.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specselect.metrics import Totals
+
+BASELINE = "fixed"
+ORACLE = "oracle"
+
+__all__ = [
+    "ResultRow",
+    "format_table",
+    "markdown_report",
+    "plot_tokens_vs_budget",
+    "plot_vsr_vs_extra",
+    "relative_to_baseline",
+    "results_json",
+    "write_report",
+]
+
+
+@dataclass(frozen=True)
+class ResultRow:
+    """One selector configuration's totals in a comparison.
+
+    Attributes:
+        selector: registry name (or ``"oracle"``).
+        k: the mean window it is compared at (fixed SD at this ``k`` is its baseline).
+        extra: drafted tokens beyond ``k``; None for selectors without that notion.
+        budget: absolute budget per step, None = the selector's default.
+        totals: the run's totals (``seconds`` modelled in replay, measured in live runs).
+        goodput_kind: ``"modelled"`` or ``"measured"``.
+        params: the selector's constructor arguments (JSON-compatible).
+    """
+
+    selector: str
+    k: int
+    extra: int | None
+    budget: int | None
+    totals: Totals
+    goodput_kind: str = "modelled"
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        parts = [self.selector, f"k={self.k}"]
+        if self.extra is not None:
+            parts.append(f"extra={self.extra}")
+        if self.budget is not None:
+            parts.append(f"C={self.budget}")
+        return " ".join(parts)
+
+
+def accepted_per_request_step(totals: Totals) -> float:
+    """Accepted draft tokens per active request per step (``tokens_per_step - 1``).
+
+    Derived from :class:`Totals` fields only; candidates to move into ``specselect.metrics``.
+    """
+    return totals.accepted / totals.active if totals.active else 0.0
+
+
+def verified_per_request_step(totals: Totals) -> float:
+    """Verified draft tokens per active request per step: the budget actually spent."""
+    return totals.verified / totals.active if totals.active else 0.0
+
+
+def _metrics(totals: Totals) -> dict[str, float]:
+    return {
+        **totals.as_dict(),
+        "accepted_per_request_step": accepted_per_request_step(totals),
+        "verified_per_request_step": verified_per_request_step(totals),
+    }
+
+
+_RELATIVE = ("tokens_per_step", "accepted_per_request_step", "vsr", "goodput")
+
+
+def _baseline(rows: Sequence[ResultRow], k: int) -> ResultRow | None:
+    for row in rows:
+        if row.selector == BASELINE and row.k == k and row.budget is None:
+            return row
+    return None
+
+
+def relative_to_baseline(row: ResultRow, rows: Sequence[ResultRow]) -> dict[str, float | None]:
+    """Ratios of ``row``'s metrics to fixed SD's at the same ``k`` (None: no baseline or 0)."""
+    base = _baseline(rows, row.k)
+    if base is None:
+        return dict.fromkeys(_RELATIVE)
+    mine, theirs = _metrics(row.totals), _metrics(base.totals)
+    ratios = {m: (mine[m] / theirs[m] if theirs[m] else None) for m in _RELATIVE}
+    if row.goodput_kind != base.goodput_kind:  # modelled vs measured seconds: not comparable
+        ratios["goodput"] = None
+    return ratios
+
+
+def _pct(ratio: float | None) -> str:
+    return "" if ratio is None else f"{(ratio - 1) * 100:+.1f}%"
+
+
+def _opt(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _goodput_header(rows: Sequence[ResultRow]) -> str:
+    kinds = {r.goodput_kind for r in rows}
+    return f"goodput ({'/'.join(sorted(kinds)) or 'modelled'} tok/s)"
+
+
+def _table_cells(rows: Sequence[ResultRow]) -> tuple[list[str], list[list[str]]]:
+    header = [
+        "selector",
+        "k",
+        "extra",
+        "C",
+        "tok/step",
+        "vs fixed",
+        "acc/step",
+        "ver/step",
+        "VSR",
+        "vs fixed",
+        _goodput_header(rows),
+        "vs fixed",
+    ]
+    body = []
+    for row in rows:
+        rel = relative_to_baseline(row, rows)
+        m = _metrics(row.totals)
+        body.append(
+            [
+                row.selector,
+                str(row.k),
+                _opt(row.extra),
+                _opt(row.budget),
+                f"{m['tokens_per_step']:.3f}",
+                _pct(rel["tokens_per_step"]),
+                f"{m['accepted_per_request_step']:.3f}",
+                f"{m['verified_per_request_step']:.3f}",
+                f"{m['vsr']:.3f}",
+                _pct(rel["vsr"]),
+                f"{m['goodput']:.1f}",
+                _pct(rel["goodput"]),
+            ]
+        )
+    return header, body
+
+
+def _ordered(rows: Iterable[ResultRow]) -> list[ResultRow]:
+    """Group by ``k``; baseline first, oracle last, the rest by name, extra and budget."""
+
+    def key(row: ResultRow) -> tuple[Any, ...]:
+        rank = 0 if row.selector == BASELINE else 2 if row.selector == ORACLE else 1
+        return (row.k, rank, row.selector, row.extra or 0, -1 if row.budget is None else row.budget)
+
+    return sorted(rows, key=key)
+
+
+def format_table(rows: Sequence[ResultRow]) -> str:
+    """Fixed-width console table, grouped by ``k`` (relative columns: vs fixed SD at that k)."""
+    header, body = _table_cells(_ordered(rows))
+    widths = [max(len(r[c]) for r in [header, *body]) for c in range(len(header))]
+    lines = [
+        "  ".join(
+            h.rjust(w) if i else h.ljust(w)
+            for i, (h, w) in enumerate(zip(header, widths, strict=True))
+        )
+    ]
+    lines.append("  ".join("-" * w for w in widths))
+    previous_k = None
+    for cells, row in zip(body, _ordered(rows), strict=True):
+        if previous_k is not None and row.k != previous_k:
+            lines.append("")
+        previous_k = row.k
+        lines.append(
+            "  ".join(
+                c.rjust(w) if i else c.ljust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            )
+        )
+    return "\n".join(lines)
+
+
+def markdown_table(rows: Sequence[ResultRow]) -> str:
+    """The same table in GitHub markdown."""
+    header, body = _table_cells(_ordered(rows))
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * 11) + "|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    return "\n".join(lines)
+
+
+def results_json(rows: Sequence[ResultRow], meta: dict[str, Any]) -> dict[str, Any]:
+    """JSON-compatible results: ``meta`` and one entry per row with metrics and ratios."""
+    return {
+        "meta": meta,
+        "rows": [
+            {
+                "label": row.label,
+                "selector": row.selector,
+                "k": row.k,
+                "extra": row.extra,
+                "budget": row.budget,
+                "params": row.params,
+                "goodput_kind": row.goodput_kind,
+                "metrics": _metrics(row.totals),
+                "relative_to_fixed": relative_to_baseline(row, rows),
+            }
+            for row in _ordered(rows)
+        ],
+    }
+
+
+def _within_budget(row: ResultRow) -> bool:
+    """Did the row spend at most ``k`` verified tokens per request-step (fixed SD's budget)?"""
+    return verified_per_request_step(row.totals) <= row.k + 1e-9
+
+
+def _summary_lines(rows: Sequence[ResultRow]) -> list[str]:
+    """Per ``k``: fixed SD, the best goodput, the best within fixed SD's budget, the oracle.
+
+    Tokens per step are only comparable at equal spend, so the "most tokens per step" pick is
+    restricted to rows that verified at most ``k`` tokens per request-step; goodput already
+    charges for what was spent, so it is compared across all rows.
+    """
+    lines = []
+    for k in sorted({r.k for r in rows}):
+        group = [r for r in rows if r.k == k]
+        base = _baseline(rows, k)
+        real = [r for r in group if r.selector not in (ORACLE, BASELINE)]
+        parts = [f"- **k = {k}**:"]
+        if base is not None:
+            parts.append(f"fixed SD {base.totals.tokens_per_step:.3f} tokens/step.")
+        if real:
+            best_gp = max(real, key=lambda r: r.totals.goodput)
+            rel = relative_to_baseline(best_gp, rows)["goodput"]
+            parts.append(f"Highest goodput: {best_gp.label} ({_pct(rel) or 'n/a'} vs fixed).")
+        frugal = [r for r in real if _within_budget(r)]
+        if frugal:
+            best = max(frugal, key=lambda r: r.totals.tokens_per_step)
+            rel = relative_to_baseline(best, rows)["tokens_per_step"]
+            parts.append(
+                f"Most tokens/step within fixed SD's budget: {best.label} "
+                f"({best.totals.tokens_per_step:.3f}, {_pct(rel) or 'n/a'})."
+            )
+        oracle = [r for r in group if r.selector == ORACLE and r.budget is None]
+        if oracle:
+            top = max(oracle, key=lambda r: r.totals.tokens_per_step)
+            rel = relative_to_baseline(top, rows)["tokens_per_step"]
+            parts.append(
+                f"Oracle at the same budget: {top.totals.tokens_per_step:.3f} "
+                f"({_pct(rel) or 'n/a'}, {top.label})."
+            )
+        lines.append(" ".join(parts))
+    return lines
+
+
+def _meta_lines(meta: dict[str, Any]) -> list[str]:
+    lines = []
+    for key, value in meta.items():
+        text = json.dumps(value, sort_keys=True) if isinstance(value, dict | list) else str(value)
+        lines.append(
+            f"- **{key}**: `{text}`" if isinstance(value, dict | list) else f"- **{key}**: {text}"
+        )
+    return lines
+
+
+_COLUMNS_NOTE = (
+    "Relative columns compare with fixed-window speculative decoding (standard SD) at the same "
+    "`k`. Tokens per step are comparable only at equal spend (`ver/step`); goodput charges for "
+    "what was spent. `acc/step` and `ver/step` are accepted and verified draft tokens per active "
+    "request per step (accepted per verified token is the VSR). `C` is an absolute budget per "
+    "step (`-`: the default `k * active requests`). The oracle knows the true run lengths and "
+    "spends the budget only on tokens that will be accepted: the upper bound for selectors with "
+    "the same window (`k + extra`) and budget (`k` per request)."
+)
+
+
+def markdown_report(
+    rows: Sequence[ResultRow], meta: dict[str, Any], plots: Sequence[str] = ()
+) -> str:
+    """A self-contained markdown report (``plots``: image paths relative to the report)."""
+    kinds = {r.goodput_kind for r in rows}
+    goodput_note = (
+        "Goodput is **modelled**: emitted tokens per second of the cost model "
+        "(`specselect.cost.CostModel`, coefficients below), not a measurement of these models."
+        if kinds == {"modelled"}
+        else "Goodput is **measured** wall-clock time of `speculative_generate` on this machine."
+    )
+    parts = [
+        "# specselect compare",
+        "",
+        "## Summary",
+        "",
+        *_summary_lines(rows),
+        "",
+        "## Results",
+        "",
+        _COLUMNS_NOTE,
+        "",
+        goodput_note,
+        "",
+        markdown_table(rows),
+        "",
+    ]
+    if plots:
+        parts += ["## Plots", ""]
+        parts += [f"![{Path(p).stem}]({p})" for p in plots]
+        parts.append("")
+    parts += ["## Setup", "", *_meta_lines(meta), ""]
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------
+
+
+def _new_figure(panels: int) -> tuple[Any, list[Any]]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(4.2 * panels + 1.0, 3.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, panels, sharey=True, squeeze=False)[0]
+    return fig, list(axes)
+
+
+_MARKERS = ("o", "^", "v", "D", "P", "*", "<", ">")
+_COLORS = ("tab:green", "tab:blue", "tab:orange", "tab:red", "tab:purple", "tab:brown")
+
+
+def _style(selector: str, names: Sequence[str]) -> dict[str, Any]:
+    """The same look for a selector in every panel and plot; distinct markers, since points of
+    different selectors often coincide (e.g. a dynamic window that settles on fixed SD's)."""
+    if selector == ORACLE:
+        return {"color": "black", "linestyle": "--", "marker": "x", "zorder": 4}
+    if selector == BASELINE:  # below the others: a selector that matches it stays visible
+        return {"color": "tab:gray", "linestyle": "-", "marker": "s", "markersize": 9, "zorder": 2}
+    others = sorted(n for n in set(names) if n not in (ORACLE, BASELINE))
+    i = others.index(selector) if selector in others else 0
+    return {
+        "color": _COLORS[i % len(_COLORS)],
+        "marker": _MARKERS[i % len(_MARKERS)],
+        "alpha": 0.85,
+        "zorder": 3,
+    }
+
+
+def _finish(fig: Any, axes: list[Any], path: Path) -> Path:
+    handles, labels = axes[0].get_legend_handles_labels()
+    for ax in axes[1:]:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    if handles:
+        fig.legend(handles, labels, loc="outside right center", fontsize="small")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_tokens_vs_budget(rows: Sequence[ResultRow], path: str | Path) -> Path:
+    """Tokens per step against the budget actually spent (verified per request-step).
+
+    One panel per ``extra`` (selectors without ``extra`` appear in every panel); one line per
+    selector over ``k`` (and absolute budgets). The x-axis is what each selector *spent*, so
+    dynamic selectors, which choose their own budget, sit at their true cost.
+    """
+    extras: list[int | None] = [*sorted({r.extra for r in rows if r.extra is not None})] or [None]
+    fig, axes = _new_figure(len(extras))
+    for ax, extra in zip(axes, extras, strict=True):
+        panel = [r for r in rows if r.extra in (extra, None)]
+        for name in sorted({r.selector for r in panel}):
+            points = sorted(
+                (verified_per_request_step(r.totals), r.totals.tokens_per_step)
+                for r in panel
+                if r.selector == name
+            )
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, label=name, **_style(name, [r.selector for r in rows]))
+        ax.set_title("all" if extra is None else f"extra = {extra}")
+        ax.set_xlabel("verified tokens per request per step (budget)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("tokens per step")
+    return _finish(fig, axes, Path(path))
+
+
+def plot_vsr_vs_extra(rows: Sequence[ResultRow], path: str | Path) -> Path:
+    """VSR against extra draft tokens, one panel per ``k`` (default budgets only).
+
+    Selectors without ``extra`` (fixed SD) are drawn as horizontal lines: their window is ``k``
+    whatever ``extra`` is. The oracle verifies only tokens it knows will be accepted (VSR 1).
+    """
+    rows = [r for r in rows if r.budget is None]
+    ks = sorted({r.k for r in rows})
+    extras = sorted({r.extra for r in rows if r.extra is not None})
+    fig, axes = _new_figure(max(len(ks), 1))
+    for ax, k in zip(axes, ks, strict=False):
+        panel = [r for r in rows if r.k == k]
+        for name in sorted({r.selector for r in panel}):
+            mine = sorted(
+                ((r.extra, r.totals.vsr) for r in panel if r.selector == name),
+                key=lambda p: -1 if p[0] is None else p[0],
+            )
+            xs: Sequence[Any]
+            ys: Sequence[float]
+            if mine[0][0] is None and extras:
+                xs, ys = [extras[0], extras[-1]], [mine[0][1]] * 2
+            else:
+                xs, ys = zip(*mine, strict=True)
+            ax.plot(xs, ys, label=name, **_style(name, [r.selector for r in rows]))
+        ax.set_title(f"k = {k}")
+        ax.set_xticks(extras)
+        ax.set_xlabel("extra draft tokens")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("VSR (accepted / verified)")
+    return _finish(fig, axes, Path(path))
+
+
+def write_report(
+    rows: Sequence[ResultRow],
+    out_dir: str | Path,
+    meta: dict[str, Any],
+    *,
+    plots: bool = True,
+) -> dict[str, Path]:
+    """Write ``results.json``, ``report.md`` and (optionally) the two PNG plots to ``out_dir``.
+
+    Returns the written paths by kind (``json``, ``markdown``, ``tokens_plot``, ``vsr_plot``).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    if plots:
+        written["tokens_plot"] = plot_tokens_vs_budget(rows, out / "tokens_per_step_vs_budget.png")
+        written["vsr_plot"] = plot_vsr_vs_extra(rows, out / "vsr_vs_extra.png")
+    json_path = out / "results.json"
+    json_path.write_text(json.dumps(results_json(rows, meta), indent=2, default=_json_default))
+    written["json"] = json_path
+    md_path = out / "report.md"
+    names = [p.name for key, p in written.items() if key.endswith("plot")]
+    md_path.write_text(markdown_report(rows, meta, names))
+    written["markdown"] = md_path
+    return written
+
+
+def _json_default(value: Any) -> str:
+    """Anything JSON cannot encode (paths, dtypes) is written as its string."""
+    return str(value)
