@@ -100,8 +100,8 @@ def check_active(active: object, batch: int, device: torch.device) -> Tensor | N
     return t
 
 
-def check_counts(name: str, value: object, batch: int, device: torch.device) -> Tensor:
-    """Check a per-row integer count tensor of shape ``[batch]``."""
+def check_row_ints(name: str, value: object, batch: int, device: torch.device) -> Tensor:
+    """Check a per-row integer tensor of shape ``[batch]`` on ``device`` (any values)."""
     t = check_tensor(name, value, rank=1)
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
         raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
@@ -109,6 +109,12 @@ def check_counts(name: str, value: object, batch: int, device: torch.device) -> 
         raise ValueError(f"{name} must have shape [{batch}], got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
+    return t
+
+
+def check_counts(name: str, value: object, batch: int, device: torch.device) -> Tensor:
+    """Check a per-row integer count tensor of shape ``[batch]``: values >= 0."""
+    t = check_row_ints(name, value, batch, device)
     if _values_checkable(t) and t.numel() and bool((t < 0).any()):
         raise ValueError(f"{name} must be >= 0, got min {int(t.min())}")
     return t

@@ -656,7 +656,6 @@ def iter_replay(
     cost_model = CostModel() if cost_model is None else cost_model
     n, length, max_k = traces.num_requests, traces.max_new_tokens, traces.max_k
     prompt_lengths = traces.prompt_lengths
-    reset_rows = getattr(selector, "reset_rows", None)
     selector.reset()
 
     requests = torch.full((slots,), -1, dtype=torch.int64)  # [S]
@@ -668,8 +667,6 @@ def iter_replay(
         if queued < n and (refill or bool(free.all())):
             new = _refill(requests, positions, free, queued, n)
             queued += int(new.sum())
-            if reset_rows is not None and bool(new.any()):
-                reset_rows(new)
         active = requests >= 0
         num_active = int(active.sum())
         if num_active == 0:
@@ -678,7 +675,8 @@ def iter_replay(
         shown, runs = _offer(traces, requests, positions, window)
         if isinstance(selector, OracleSelector):
             selector.set_runs(runs)
-        selection = selector.select(shown, active)
+        # Request ids follow requests: a refilled slot gets a new id and its state is reset.
+        selection = selector.select(shown, active, request_ids=requests)
         _check_selection(selection, active, window, selector)
         accepted = torch.minimum(selection.lengths, runs)
         selector.update(selection, accepted)
@@ -775,8 +773,8 @@ def replay(
     sees the ``[slots, K]`` recorded log-probs (``-inf`` past each request's end and in empty
     slots, which are also inactive); each active request accepts ``min(L, run)`` and advances by
     that + 1; ``selector.update`` gets the accepted counts. A slot whose request finished is
-    refilled at the next step, and a selector with per-row state is told through its
-    ``reset_rows(rows)`` method (``rows`` ``[S]`` bool) when it has one.
+    refilled at the next step. The selector receives each slot's request id
+    (``request_ids``), so per-request state follows requests: a slot whose id changed is reset.
 
     Args:
         traces: recorded (or synthetic) traces.

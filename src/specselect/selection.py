@@ -22,6 +22,7 @@ from specselect._checks import (
     check_counts,
     check_int,
     check_logprobs,
+    check_row_ints,
     check_tensor,
 )
 
@@ -302,7 +303,7 @@ class Selector(abc.ABC):
         active = check_active(active, rows, draft_logprobs.device)
         if request_ids is not None:
             self._follow_requests(
-                check_counts("request_ids", request_ids, rows, draft_logprobs.device)
+                check_row_ints("request_ids", request_ids, rows, draft_logprobs.device)
             )
         scores = draft_logprobs
         if self.estimator is not None:
