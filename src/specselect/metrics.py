@@ -59,6 +59,16 @@ class Totals:
         return self.emitted / self.active if self.active else 0.0
 
     @property
+    def accepted_per_request_step(self) -> float:
+        """Accepted draft tokens per active request per step (``tokens_per_step - 1``)."""
+        return self.accepted / self.active if self.active else 0.0
+
+    @property
+    def verified_per_request_step(self) -> float:
+        """Verified draft tokens per active request per step: the budget actually spent."""
+        return self.verified / self.active if self.active else 0.0
+
+    @property
     def goodput(self) -> float:
         """Emitted tokens per second (wall-clock, or modelled in replay)."""
         return self.emitted / self.seconds if self.seconds > 0 else 0.0
@@ -73,6 +83,8 @@ class Totals:
             "seconds": self.seconds,
             "vsr": self.vsr,
             "tokens_per_step": self.tokens_per_step,
+            "accepted_per_request_step": self.accepted_per_request_step,
+            "verified_per_request_step": self.verified_per_request_step,
             "goodput": self.goodput,
             **self.extra,
         }

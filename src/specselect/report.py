@@ -74,27 +74,6 @@ class ResultRow:
         return " ".join(parts)
 
 
-def accepted_per_request_step(totals: Totals) -> float:
-    """Accepted draft tokens per active request per step (``tokens_per_step - 1``).
-
-    Derived from :class:`Totals` fields only; candidates to move into ``specselect.metrics``.
-    """
-    return totals.accepted / totals.active if totals.active else 0.0
-
-
-def verified_per_request_step(totals: Totals) -> float:
-    """Verified draft tokens per active request per step: the budget actually spent."""
-    return totals.verified / totals.active if totals.active else 0.0
-
-
-def _metrics(totals: Totals) -> dict[str, float]:
-    return {
-        **totals.as_dict(),
-        "accepted_per_request_step": accepted_per_request_step(totals),
-        "verified_per_request_step": verified_per_request_step(totals),
-    }
-
-
 _RELATIVE = ("tokens_per_step", "accepted_per_request_step", "vsr", "goodput")
 
 
@@ -110,7 +89,7 @@ def relative_to_baseline(row: ResultRow, rows: Sequence[ResultRow]) -> dict[str,
     base = _baseline(rows, row.k)
     if base is None:
         return dict.fromkeys(_RELATIVE)
-    mine, theirs = _metrics(row.totals), _metrics(base.totals)
+    mine, theirs = row.totals.as_dict(), base.totals.as_dict()
     ratios = {m: (mine[m] / theirs[m] if theirs[m] else None) for m in _RELATIVE}
     if row.goodput_kind != base.goodput_kind:  # modelled vs measured seconds: not comparable
         ratios["goodput"] = None
@@ -148,7 +127,7 @@ def _table_cells(rows: Sequence[ResultRow]) -> tuple[list[str], list[list[str]]]
     body = []
     for row in rows:
         rel = relative_to_baseline(row, rows)
-        m = _metrics(row.totals)
+        m = row.totals.as_dict()
         body.append(
             [
                 row.selector,
@@ -224,7 +203,7 @@ def results_json(rows: Sequence[ResultRow], meta: dict[str, Any]) -> dict[str, A
                 "budget": row.budget,
                 "params": row.params,
                 "goodput_kind": row.goodput_kind,
-                "metrics": _metrics(row.totals),
+                "metrics": row.totals.as_dict(),
                 "relative_to_fixed": relative_to_baseline(row, rows),
             }
             for row in _ordered(rows)
@@ -234,7 +213,7 @@ def results_json(rows: Sequence[ResultRow], meta: dict[str, Any]) -> dict[str, A
 
 def _within_budget(row: ResultRow) -> bool:
     """Did the row spend at most ``k`` verified tokens per request-step (fixed SD's budget)?"""
-    return verified_per_request_step(row.totals) <= row.k + 1e-9
+    return row.totals.verified_per_request_step <= row.k + 1e-9
 
 
 def _summary_lines(rows: Sequence[ResultRow]) -> list[str]:
@@ -395,7 +374,7 @@ def plot_tokens_vs_budget(rows: Sequence[ResultRow], path: str | Path) -> Path:
         panel = [r for r in rows if r.extra in (extra, None)]
         for name in sorted({r.selector for r in panel}):
             points = sorted(
-                (verified_per_request_step(r.totals), r.totals.tokens_per_step)
+                (r.totals.verified_per_request_step, r.totals.tokens_per_step)
                 for r in panel
                 if r.selector == name
             )
