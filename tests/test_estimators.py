@@ -75,8 +75,8 @@ def test_estimators_converge_to_the_true_acceptance(cls) -> None:
     before = calibration_error(estimator, lambda q: under_confident(q, torch.arange(len(q))))
     run_stream(estimator, under_confident, steps=400)
     after = calibration_error(estimator, lambda q: under_confident(q, torch.arange(len(q))))
-    assert before > 0.15  # the raw draft probability is far off (0.2 in expectation)
     assert after < 0.05  # stated bound after 400 steps of 32 requests
+    assert after < before / 2  # it learned (the raw draft probability is 0.2 off)
 
 
 def test_request_history_separates_easy_and_hard_requests() -> None:
@@ -162,7 +162,8 @@ def test_estimators_run_on_meta_tensors(name: str) -> None:
         (lambda: CalibratedDraft(decay=1.5), "decay"),
         (lambda: CalibratedDraft(prior=0), "prior"),
         (lambda: RequestHistory(lr=0), "lr"),
-        (lambda: RequestHistory(request_decay=0), "request_decay"),
+        (lambda: RequestHistory(request_decays=(0.5, 1.5)), "request_decays"),
+        (lambda: RequestHistory(request_decays=()), "request_decays"),
         (lambda: RankingGuard(min_auc=2), "min_auc"),
     ],
 )
@@ -203,7 +204,7 @@ def test_request_ids_reset_the_slots_that_change_hands() -> None:
         selector.update(selection, selection.lengths)
     assert (history._trials > 0).all()
     selector.select(logprobs, request_ids=torch.tensor([7, 10, 9]))  # slot 1 holds request 10
-    assert history._trials[1] == 0 and history._trials[0] > 0 and history._trials[2] > 0
+    assert (history._trials.sum(1) > 0).tolist() == [True, False, True]
 
 
 def test_unknown_estimator_name_is_rejected() -> None:

@@ -1,0 +1,91 @@
+"""Acceptance estimators on exact greedy replay: does TETRIS beat standard SD, and by how much?
+
+For every k in the grid and extra in the grid, replays fixed-window SD, raw TETRIS, TETRIS with
+each acceptance estimator (with and without the ranking guard) and the oracle over the same
+traces and batch slots, and prints accepted draft tokens per request-step relative to fixed SD,
+plus the share of the fixed-to-oracle gap each variant closes.
+
+    python benchmarks/bench_estimators.py                # shipped pair, 40 prompts, 64 tokens
+    python benchmarks/bench_estimators.py --traces t.pt  # reuse (or save) recorded traces
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from specselect import FixedWindowSelector, TetrisSelector
+from specselect.replay import (
+    OracleSelector,
+    Traces,
+    load_traces,
+    record_traces,
+    replay,
+    save_traces,
+)
+
+VARIANTS = {
+    "tetris": {},
+    "tetris+calibrated": {"estimator": "calibrated"},
+    "tetris+history": {"estimator": "history"},
+    "tetris+calibrated+guard": {"estimator": "calibrated", "guard": True},
+    "tetris+history+guard": {"estimator": "history", "guard": True},
+}
+
+
+def shipped_traces(max_new_tokens: int, max_k: int, path: Path | None) -> Traces:
+    if path is not None and path.exists():
+        return load_traces(path)
+    from specselect.models import load_prompts, load_tiny_pair
+
+    target, draft, tokenizer = load_tiny_pair()
+    prompts = [tokenizer(p["text"])["input_ids"] for p in load_prompts()]
+    traces = record_traces(target, draft, prompts, max_new_tokens, max_k, progress=True)
+    if path is not None:
+        save_traces(traces, path)
+    return traces
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", type=Path, default=None, help="load or save traces here")
+    parser.add_argument("--slots", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--extra", type=int, nargs="+", default=[1, 2, 3])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    traces = shipped_traces(args.max_new_tokens, max(args.k) + max(args.extra), args.traces)
+
+    def accepted(selector) -> float:
+        return replay(traces, selector, args.slots).totals.accepted_per_request_step
+
+    header = ["k", "extra", "fixed", "oracle", *VARIANTS]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    closed: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    wins: dict[str, int] = {name: 0 for name in VARIANTS}
+    for k in args.k:
+        fixed = accepted(FixedWindowSelector(k))
+        for extra in args.extra:
+            oracle = accepted(OracleSelector(k, extra))
+            cells = [str(k), str(extra), f"{fixed:.3f}", f"{oracle / fixed - 1:+.1%}"]
+            for name, kwargs in VARIANTS.items():
+                value = accepted(TetrisSelector(k, extra, **kwargs))
+                cells.append(f"{value / fixed - 1:+.1%}")
+                closed[name].append((value - fixed) / (oracle - fixed))
+                wins[name] += value >= fixed
+            print("| " + " | ".join(cells) + " |")
+    configs = len(args.k) * len(args.extra)
+    print()
+    print("| variant | configs >= fixed | mean share of the fixed-to-oracle gap closed |")
+    print("|---|---|---|")
+    for name in VARIANTS:
+        share = sum(closed[name]) / len(closed[name])
+        print(f"| {name} | {wins[name]}/{configs} | {share:+.1%} |")
+
+
+if __name__ == "__main__":
+    main()
