@@ -16,6 +16,7 @@ import torch
 from hypothesis import strategies as st
 
 from specselect.selection import Selection
+from specselect.selectors import TetrisSelector
 
 # Probabilities drawn from a pool, so that equal values (and equal cumulative products) are
 # common: 1 gives log q = 0, 0 gives log q = -inf.
@@ -96,3 +97,8 @@ def _check_prefix_selection(selection: Selection, logprobs: torch.Tensor) -> Non
 def check_prefix_selection() -> Callable[[Selection, torch.Tensor], None]:
     """The invariants of a chain selection, as an assertion function (see its docstring)."""
     return _check_prefix_selection
+
+
+def paper_tetris(*args: object, **kwargs: object) -> TetrisSelector:
+    """TETRIS exactly as in the paper: ranked by draft probabilities, no estimator, no guard."""
+    return TetrisSelector(*args, estimator=None, guard=False, **kwargs)  # type: ignore[arg-type]

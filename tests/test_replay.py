@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from specselect import FixedWindowSelector, TetrisSelector
+from conftest import paper_tetris
+from specselect import FixedWindowSelector
 from specselect.cost import CostModel
 from specselect.metrics import Totals
 from specselect.replay import (
@@ -336,7 +337,7 @@ def test_replay_matches_reference_stream(
 
 def test_replay_result_totals(random_run_traces: Traces) -> None:
     n, length = random_run_traces.runs.shape
-    result = replay(random_run_traces, TetrisSelector(k=2, extra=2), slots=4)
+    result = replay(random_run_traces, paper_tetris(k=2, extra=2), slots=4)
     totals = result.totals
     assert totals == Totals.of(result.steps)
     assert totals.emitted == n * length  # every request emits exactly max_new_tokens
@@ -377,7 +378,7 @@ def test_replay_modelled_seconds(random_run_traces: Traces) -> None:
 def test_replay_end_of_row_convention(synthetic_traces: Traces) -> None:
     """No token past ``remaining - 1`` is offered, and no request emits more than T tokens."""
     length = synthetic_traces.max_new_tokens
-    for step in iter_replay(synthetic_traces, TetrisSelector(k=3, extra=3), slots=5):
+    for step in iter_replay(synthetic_traces, paper_tetris(k=3, extra=3), slots=5):
         remaining = torch.where(step.active, length - step.positions, 0)
         offered = (step.draft_logprobs > float("-inf")).sum(dim=1)
         assert bool((offered <= (remaining - 1).clamp(min=0)).all())
@@ -422,7 +423,7 @@ def test_replay_resets_slots_that_change_requests(random_run_traces: Traces) -> 
 
 def test_replay_rejects_window_beyond_traces(random_run_traces: Traces) -> None:
     with pytest.raises(ValueError, match="max_k=4"):
-        replay(random_run_traces, TetrisSelector(k=3, extra=2), slots=2)
+        replay(random_run_traces, paper_tetris(k=3, extra=2), slots=2)
 
 
 class GreedyInactive(FixedWindowSelector):
@@ -587,7 +588,7 @@ def calibrated_states(count: int, rows: int, width: int, seed: int) -> Tensor:
 def test_tetris_maximises_expected_accepted_at_equal_budget(k: int, extra: int) -> None:
     """Exact expectation, per state: TETRIS >= fixed SD, both at budget k per request."""
     states = calibrated_states(200, rows=8, width=k + extra, seed=k * 10 + extra)
-    tetris, fixed = TetrisSelector(k=k, extra=extra), FixedWindowSelector(k)
+    tetris, fixed = paper_tetris(k=k, extra=extra), FixedWindowSelector(k)
     gains = []
     for logprobs in states:
         e_tetris = expected_accepted(logprobs, tetris.select(logprobs))
@@ -608,7 +609,7 @@ def test_tetris_beats_fixed_when_runs_are_sampled() -> None:
     k, extra, draws = 2, 3, 100
     states = calibrated_states(200, rows=8, width=k + extra, seed=5)
     g = torch.Generator().manual_seed(6)
-    tetris, fixed = TetrisSelector(k=k, extra=extra), FixedWindowSelector(k)
+    tetris, fixed = paper_tetris(k=k, extra=extra), FixedWindowSelector(k)
     diffs, exact = [], {"tetris": 0.0, "fixed": 0.0}
     samples: dict[str, list[Tensor]] = {"tetris": [], "fixed": []}
     for logprobs in states:
@@ -639,7 +640,7 @@ def test_tetris_beats_fixed_in_replay_of_calibrated_traces() -> None:
     traces = consistent_traces(mixed_confidence(96, 32 + 6, seed=11), width=6, seed=12)
     for k in (1, 2, 3):
         fixed = replay(traces, FixedWindowSelector(k), slots=16).totals
-        tetris = replay(traces, TetrisSelector(k=k, extra=3), slots=16).totals
+        tetris = replay(traces, paper_tetris(k=k, extra=3), slots=16).totals
         assert tetris.tokens_per_step > fixed.tokens_per_step, k
         assert tetris.verified <= k * tetris.active  # within the same budget, k per request
 

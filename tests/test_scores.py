@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chi2
 
-from specselect import TetrisSelector
+from conftest import paper_tetris
 from specselect.scores import causal_logprobs, expected_self_logprob
 from specselect.tree import build_tree_buffers
 from specselect.verify import rejection_verify
@@ -79,7 +79,7 @@ def _first_emitted_token(
     target_probs = torch.stack([p0[prompt], p1[x0], p1[x1]], 1)  # [B, 3, V]
     token_lp = draft_probs.gather(2, tokens.unsqueeze(2)).squeeze(2).log()
     scores = causal_logprobs(token_lp, expected_self_logprob(draft_probs)) if causal else token_lp
-    selection = TetrisSelector(k=1, extra=1).select(scores)
+    selection = paper_tetris(k=1, extra=1).select(scores)
     accepted, bonus = rejection_verify(tokens, selection.lengths, draft_probs, target_probs, gen)
     first = torch.where(accepted > 0, x0, bonus)
     return prompt, first, p0

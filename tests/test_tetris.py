@@ -16,8 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import active_masks, logprob_matrices, logprob_values, random_logprobs
-from specselect import FixedWindowSelector, TetrisSelector, top_c_mask
+from conftest import active_masks, logprob_matrices, logprob_values, paper_tetris, random_logprobs
+from specselect import FixedWindowSelector, top_c_mask
 from specselect.selection import cheapest_mask
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -104,7 +104,7 @@ def test_tetris_is_optimal_and_exact(
     logprobs = logprobs.to(dtype)
     rows, cols = logprobs.shape
     budget = data.draw(st.integers(0, rows * cols + 2), label="budget")
-    selection = TetrisSelector(k=1, extra=0, budget=budget).select(logprobs)
+    selection = paper_tetris(k=1, extra=0, budget=budget).select(logprobs)
 
     check_prefix_selection(selection, logprobs)
     available = finite_prefix(logprobs)
@@ -213,7 +213,7 @@ TIE_CASES = {
 def test_tie_order_exact_mask(case: str, dtype: torch.dtype) -> None:
     logprobs, budget, expected = TIE_CASES[case]
     logprobs = torch.tensor(logprobs, dtype=dtype)
-    selection = TetrisSelector(k=1, budget=budget).select(logprobs)
+    selection = paper_tetris(k=1, budget=budget).select(logprobs)
     expected_mask = torch.tensor(expected, dtype=torch.bool)
     assert torch.equal(selection.mask, expected_mask)
     assert torch.equal(selection.lengths, expected_mask.sum(dim=1))
@@ -237,7 +237,7 @@ def test_inactive_rows_take_no_budget(
     active = data.draw(active_masks(rows), label="active")
     k = data.draw(st.integers(0, cols + 1), label="k")
     budget = data.draw(st.integers(0, rows * cols + 1), label="budget") if explicit_budget else None
-    selector = TetrisSelector(k=k, extra=2, budget=budget)
+    selector = paper_tetris(k=k, extra=2, budget=budget)
     full = selector.select(logprobs.to(torch.float32), active)
     alone = selector.select(logprobs[active].to(torch.float32))
     assert torch.equal(full.lengths[active], alone.lengths)
@@ -249,7 +249,7 @@ def test_inactive_rows_take_no_budget(
 def test_default_budget_is_k_times_active_rows() -> None:
     logprobs = torch.zeros(4, 6)  # all certain: every row could take all 6
     active = torch.tensor([True, False, True, False])
-    selection = TetrisSelector(k=2, extra=4).select(logprobs, active)
+    selection = paper_tetris(k=2, extra=4).select(logprobs, active)
     assert selection.lengths.tolist() == [2, 0, 2, 0]
 
 
@@ -257,8 +257,8 @@ def test_default_budget_is_k_times_active_rows() -> None:
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_default_budget_equals_explicit(rows: int, k: int) -> None:
     logprobs = random_logprobs(rows, k + 2, seed=rows * 10 + k, cut=0.1)
-    default = TetrisSelector(k=k, extra=2).select(logprobs)
-    explicit = TetrisSelector(k=k, extra=2, budget=k * rows).select(logprobs)
+    default = paper_tetris(k=k, extra=2).select(logprobs)
+    explicit = paper_tetris(k=k, extra=2, budget=k * rows).select(logprobs)
     assert torch.equal(default.mask, explicit.mask)
 
 
@@ -268,13 +268,13 @@ def test_default_budget_equals_explicit(rows: int, k: int) -> None:
 
 def test_budget_larger_than_available_takes_everything_available() -> None:
     logprobs = torch.tensor([[-0.1, NEG, -0.2], [-0.3, -0.4, -0.5], [NEG, -0.1, -0.1]])
-    selection = TetrisSelector(k=1, budget=100).select(logprobs)
+    selection = paper_tetris(k=1, budget=100).select(logprobs)
     assert selection.lengths.tolist() == [1, 3, 0]
 
 
 @pytest.mark.parametrize("shape", [(3, 4), (1, 5), (5, 0), (0, 3)])
 def test_zero_budget_selects_nothing(shape: tuple[int, int]) -> None:
-    selection = TetrisSelector(k=0, extra=3).select(torch.zeros(shape))
+    selection = paper_tetris(k=0, extra=3).select(torch.zeros(shape))
     assert selection.mask.shape == shape
     assert not bool(selection.mask.any())
     assert selection.lengths.shape == (shape[0],)
@@ -282,13 +282,13 @@ def test_zero_budget_selects_nothing(shape: tuple[int, int]) -> None:
 
 def test_single_row() -> None:
     logprobs = torch.tensor([[-0.1, -0.2, -0.3, -0.4]])
-    assert TetrisSelector(k=2, extra=2).select(logprobs).lengths.tolist() == [2]
+    assert paper_tetris(k=2, extra=2).select(logprobs).lengths.tolist() == [2]
 
 
 @pytest.mark.parametrize("with_active", [False, True])
 def test_empty_draft_window(with_active: bool) -> None:
     active = torch.tensor([True, False, True]) if with_active else None
-    selection = TetrisSelector(k=3, extra=0).select(torch.zeros(3, 0), active)
+    selection = paper_tetris(k=3, extra=0).select(torch.zeros(3, 0), active)
     assert selection.mask.shape == (3, 0)
     assert selection.lengths.tolist() == [0, 0, 0]
 
@@ -297,7 +297,7 @@ def test_empty_draft_window(with_active: bool) -> None:
 def test_low_precision_inputs_match_float32(dtype: torch.dtype) -> None:
     """16-bit inputs are ranked in float32 (chain_scores upcasts): same as upcasting first."""
     logprobs = random_logprobs(16, 8, seed=3, cut=0.05).to(dtype)
-    selector = TetrisSelector(k=4, extra=4)
+    selector = paper_tetris(k=4, extra=4)
     active = torch.arange(16) % 5 != 0
     for act in (None, active):
         low = selector.select(logprobs, act)
@@ -309,7 +309,7 @@ def test_low_precision_inputs_match_float32(dtype: torch.dtype) -> None:
 def test_select_leaves_the_input_untouched() -> None:
     logprobs = random_logprobs(4, 5, seed=0, cut=0.1)
     before = logprobs.clone()
-    TetrisSelector(k=2, extra=3).select(logprobs, torch.tensor([True, False, True, True]))
+    paper_tetris(k=2, extra=3).select(logprobs, torch.tensor([True, False, True, True]))
     assert torch.equal(logprobs, before)
 
 
@@ -330,7 +330,7 @@ def test_matches_reference_formulation_without_ties(
     scores = torch.cumsum(logprobs, dim=1)
     finite = scores[scores > -math.inf]
     assert finite.unique().numel() == finite.numel(), "precondition: no ties"
-    selection = TetrisSelector(k=1, budget=budget).select(logprobs)
+    selection = paper_tetris(k=1, budget=budget).select(logprobs)
     assert torch.equal(selection.lengths, reference_lengths(logprobs, budget))
 
 
@@ -350,7 +350,7 @@ def test_matches_reference_formulation_without_ties(
 )
 def test_tetris_rejects_bad_arguments(kwargs: dict, error: type, name: str) -> None:
     with pytest.raises(error, match=name):
-        TetrisSelector(**kwargs)
+        paper_tetris(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -369,7 +369,7 @@ def test_top_c_mask_rejects_bad_arguments(scores, budget, error: type, name: str
 
 
 def test_tetris_draft_length_is_k_plus_extra() -> None:
-    assert TetrisSelector(k=3, extra=2).draft_length(7) == 5
+    assert paper_tetris(k=3, extra=2).draft_length(7) == 5
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specselect import FixedWindowSelector, TetrisSelector, make_selector
+from conftest import paper_tetris
+from specselect import FixedWindowSelector, make_selector
 from specselect.tree import build_tree_buffers, chain_parents, path_sums
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -56,7 +57,7 @@ def best_closed_total(scores: list[float], parents: list[int], budget: int) -> f
 @given(trees(max_rows=1, max_nodes=7), st.integers(0, 8))
 def test_tetris_tree_selection_is_optimal_closed_and_exact(tree, budget: int) -> None:
     parents, logprobs = tree
-    selection = TetrisSelector(k=0, budget=budget).select(logprobs, parents=parents)
+    selection = paper_tetris(k=0, budget=budget).select(logprobs, parents=parents)
     scores = path_sums(logprobs, parents)
     available = int((scores > -math.inf).sum())
     assert int(selection.lengths.sum()) == min(budget, available)
@@ -74,7 +75,7 @@ def test_tree_selections_are_closed_with_exact_counts(tree, k: int, data) -> Non
     active = torch.tensor(data.draw(st.lists(st.booleans(), min_size=rows, max_size=rows)))
     scores = path_sums(logprobs, parents)
     available = (scores > -math.inf) & active.unsqueeze(1)
-    tetris = TetrisSelector(k=k).select(logprobs, active, parents=parents)
+    tetris = paper_tetris(k=k).select(logprobs, active, parents=parents)
     fixed = FixedWindowSelector(k=k).select(logprobs, active, parents=parents)
     for selection in (tetris, fixed):
         assert closed(selection.mask, parents)
@@ -103,7 +104,7 @@ def test_chain_trees_reproduce_the_flat_selection(rows: int, width: int, k: int,
     gen = torch.Generator().manual_seed(seed)
     logprobs = torch.tensor(POOL).log()[torch.randint(0, len(POOL), (rows, width), generator=gen)]
     parents = chain_parents(rows, width)
-    for selector in (TetrisSelector(k=k, extra=1), FixedWindowSelector(k=k)):
+    for selector in (paper_tetris(k=k, extra=1), FixedWindowSelector(k=k)):
         flat = selector.select(logprobs)
         tree = selector.select(logprobs, parents=parents)
         assert torch.equal(flat.mask, tree.mask)
@@ -136,4 +137,4 @@ def test_chain_only_selectors_refuse_trees(name: str) -> None:
 )
 def test_bad_parents_are_rejected(parents: torch.Tensor, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        TetrisSelector(k=1).select(torch.zeros(1, 3), parents=parents)
+        paper_tetris(k=1).select(torch.zeros(1, 3), parents=parents)

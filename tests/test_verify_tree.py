@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chi2
 
-from specselect import TetrisSelector
+from conftest import paper_tetris
 from specselect.scores import causal_logprobs, expected_self_logprob
 from specselect.tree import build_tree_buffers, chain_parents
 from specselect.verify import greedy_verify
@@ -125,7 +125,7 @@ def _sampled_tree_step(sampled: bool, selected_nodes: list[int] | str, rows: int
         scores = token_lp
         if selected_nodes == "tetris-causal":
             scores = causal_logprobs(token_lp, expected_self_logprob(parent_dist), parents)
-        selected = TetrisSelector(k=2).select(scores, parents=parents).mask
+        selected = paper_tetris(k=2).select(scores, parents=parents).mask
     else:
         selected = torch.zeros(rows, 6, dtype=torch.bool)
         selected[:, selected_nodes] = True

@@ -43,11 +43,15 @@ class TetrisSelector(Selector):
         budget: a fixed total ``C`` per step instead of ``k * num_active``.
         estimator: an :class:`~specselect.estimators.AcceptanceEstimator` (or its registry name:
             ``"draft"``, ``"calibrated"``, ``"history"``) that turns draft log-probabilities into
-            estimated acceptance log-probabilities before ranking; ``None`` ranks by the draft
-            probabilities themselves, as in the paper.
+            estimated acceptance log-probabilities before ranking. The default,
+            :class:`~specselect.estimators.RequestHistory`, won on exact replay of the shipped
+            pair (docs: "Acceptance estimators"); ``None`` ranks by the draft probabilities
+            themselves, exactly as in the paper.
         guard: fall back to the fixed window ``k`` while the ranking quality of the scores is
-            poor (see :class:`~specselect.estimators.RankingGuard`); ``True`` for the default
-            guard.
+            poor (see :class:`~specselect.estimators.RankingGuard`), so that the worst case is
+            standard SD; ``True`` (default) for the default guard, ``False`` for none.
+
+    ``TetrisSelector(k, extra, estimator=None, guard=False)`` is the paper's algorithm.
 
     Ties (equal scores, e.g. probability-1 tokens) go to shallower positions first, then to lower
     row indices, which keeps the selection prefix-closed with exactly ``min(C, available)`` tokens.
@@ -61,8 +65,8 @@ class TetrisSelector(Selector):
         k: int,
         extra: int = 2,
         budget: int | None = None,
-        estimator: AcceptanceEstimator | str | None = None,
-        guard: RankingGuard | bool = False,
+        estimator: AcceptanceEstimator | str | None = "history",
+        guard: RankingGuard | bool = True,
     ) -> None:
         self.k = check_int("k", k)
         self.extra = check_int("extra", extra)
