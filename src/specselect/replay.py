@@ -383,7 +383,8 @@ def record_traces(
     draft runs ``max_k`` passes per chunk instead of one generation per position.
 
     Args:
-        target, draft: causal LMs sharing a tokenizer (HF ``PreTrainedModel`` or compatible).
+        target: causal LM whose greedy output the traces record (HF ``PreTrainedModel``).
+        draft: causal LM sharing the target's tokenizer.
         prompts: ``N`` prompts as token ids (1-D tensors or lists), not padded.
         max_new_tokens: ``T``, the output length of every request (EOS does not stop it).
         max_k: draft tokens recorded per position (the largest window any replayed selector may

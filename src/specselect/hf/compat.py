@@ -1,0 +1,223 @@
+"""Checks that a HuggingFace model pair can run the batched speculative loop.
+
+The loop keeps each model's KV cache across steps with *holes* (columns of rejected or padding
+tokens masked out of attention) and passes explicit position ids. That only works if
+
+* the model is a decoder-only causal LM whose ``forward`` takes ``past_key_values``,
+  ``attention_mask`` and ``position_ids`` (otherwise it cannot be driven token block by token
+  block);
+* its attention kernel takes arbitrary masks: ``sdpa`` and ``eager`` do; FlashAttention kernels
+  only know left/right padding and causal masks, so holes (and, for trees, 4D masks) are
+  impossible there;
+* every layer is a full-attention layer: a sliding window counts cache *columns*, and with holes
+  columns are not tokens, so a windowed layer would see a different context than ``generate``
+  once the cache is longer than the window; recurrent (linear-attention, Mamba) layers fold
+  rejected tokens into their state, which no mask can undo;
+* both models share the tokenizer: the same special token ids and the same vocabulary, except
+  for padding rows at the end of an embedding matrix (checked against ``len(tokenizer)``).
+
+Every failure is a ``ValueError``/``TypeError`` raised before any forward pass.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sized
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+#: Attention implementations that take a custom (2D with holes, or 4D) attention mask.
+MASKABLE_ATTENTION = ("sdpa", "eager")
+_REQUIRED_FORWARD_ARGS = ("past_key_values", "attention_mask", "position_ids")
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def check_causal_lm(name: str, model: object) -> nn.Module:
+    """Raise unless ``model`` is a decoder-only HF causal LM the loop can drive (see module doc).
+
+    Args:
+        name: the argument name (``"target"`` or ``"draft"``) used in messages.
+        model: the candidate model.
+    """
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise TypeError(
+            f"{name} must be a HuggingFace causal LM (an nn.Module with a .config), "
+            f"got {type(model).__name__}"
+        )
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; only decoder-only causal LMs work")
+    params = inspect.signature(model.forward).parameters
+    missing = [arg for arg in _REQUIRED_FORWARD_ARGS if arg not in params]
+    if missing:
+        raise ValueError(
+            f"{name} ({type(model).__name__}) does not support a KV cache driven from outside: "
+            f"its forward() lacks {', '.join(missing)}"
+        )
+    impl = attention_implementation(model)
+    if impl not in MASKABLE_ATTENTION:
+        raise ValueError(
+            f"{name} uses attn_implementation={impl!r}, which cannot take custom attention masks "
+            f"(KV holes, tree masks); load it with attn_implementation='sdpa' or 'eager' "
+            "(e.g. from_pretrained(..., attn_implementation='sdpa') or "
+            "model.set_attn_implementation('sdpa'))"
+        )
+    kinds = set(getattr(config, "layer_types", None) or ())
+    unsupported = sorted(kinds - {"full_attention", "sliding_attention"})
+    if unsupported:
+        raise ValueError(
+            f"{name} has layers of type {', '.join(unsupported)}; only attention layers can skip "
+            "rejected tokens by masking (recurrent states cannot be rolled back)"
+        )
+    return model
+
+
+def attention_implementation(model: nn.Module) -> str:
+    """The attention kernel name stored in the model's config (``"sdpa"``, ``"eager"``, ...)."""
+    config = model.config
+    return str(getattr(config, "_attn_implementation", None) or "eager")
+
+
+def sliding_window(model: nn.Module) -> int | None:
+    """The sliding-window size of ``model``'s attention layers, or ``None`` if all are full.
+
+    Families differ in how they declare it: Mistral-style configs use ``sliding_window`` alone,
+    newer configs list ``layer_types`` (and keep ``sliding_window`` set even when unused).
+    """
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None and "sliding_attention" not in kinds:
+        return None
+    return int(window)
+
+
+def check_context_fits(name: str, model: nn.Module, longest: int) -> None:
+    """Raise if a cache of ``longest`` columns could exceed ``model``'s sliding window."""
+    window = sliding_window(model)
+    if window is not None and longest >= window:
+        raise ValueError(
+            f"{name} uses sliding-window attention (window {window}); with KV holes a window "
+            f"counts cache columns, not tokens, so runs are limited to fewer than {window} cache "
+            f"columns, and this one may need {longest} (prompt + max_new_tokens + cache slack)"
+        )
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Device of the input embeddings: where token ids, masks and position ids must go.
+
+    With accelerate's ``device_map`` the layers may sit on several devices; the embedding is the
+    first one, and the rest of the model moves activations itself.
+    """
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.device
+    return next(model.parameters()).device
+
+
+def logits_width(model: nn.Module) -> int:
+    """Size of the last dimension of ``model``'s logits (rows of its output embedding)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return int(weight.shape[0])
+    text_config = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
+    )
+    return int((text_config or model.config).vocab_size)
+
+
+def supports_logits_to_keep(model: nn.Module) -> bool:
+    """Whether ``forward`` takes ``logits_to_keep`` (skip the LM head on columns not needed)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def special_token_ids(model: nn.Module) -> dict[str, object]:
+    """bos/eos/pad ids of ``model``: its generation config first, then its config."""
+    found: dict[str, object] = {}
+    sources = (getattr(model, "generation_config", None), model.config)
+    for key in _SPECIAL_IDS:
+        for source in sources:
+            value = getattr(source, key, None) if source is not None else None
+            if value is not None:
+                found[key] = _normalise_ids(value)
+                break
+    return found
+
+
+def _normalise_ids(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return tuple(sorted(int(v) for v in value))
+    return int(value)  # type: ignore[call-overload]
+
+
+def check_pair(target: nn.Module, draft: nn.Module, tokenizer: Sized | None = None) -> int:
+    """Raise unless ``target`` and ``draft`` share a tokenizer; return the shared vocabulary size.
+
+    Special token ids present in both models must agree. Logit widths may differ only by padding
+    rows (embedding matrices rounded up for speed); since a model alone cannot tell padding from a
+    different vocabulary, a difference requires ``tokenizer``, and both widths must then cover
+    ``len(tokenizer)``.
+
+    Returns:
+        ``len(tokenizer)`` if given, else the common logit width.
+    """
+    target_ids, draft_ids = special_token_ids(target), special_token_ids(draft)
+    for key in _SPECIAL_IDS:
+        if key in target_ids and key in draft_ids and target_ids[key] != draft_ids[key]:
+            raise ValueError(
+                f"target and draft do not share a tokenizer: target {key}={target_ids[key]}, "
+                f"draft {key}={draft_ids[key]}"
+            )
+    widths = logits_width(target), logits_width(draft)
+    if tokenizer is not None:
+        size = len(tokenizer)
+        if min(widths) < size:
+            raise ValueError(
+                f"tokenizer has {size} tokens but the target has {widths[0]} and the draft "
+                f"{widths[1]} logit rows; both models must cover the tokenizer's vocabulary"
+            )
+        return size
+    if widths[0] != widths[1]:
+        raise ValueError(
+            f"target and draft have different vocabulary sizes ({widths[0]} vs {widths[1]} logit "
+            "rows); they may differ only by padding rows: pass tokenizer= so the shared "
+            "vocabulary can be checked"
+        )
+    return widths[0]
+
+
+@dataclass(frozen=True)
+class ModelHandle:
+    """A checked model and the facts about it that every forward pass needs.
+
+    Computed once per generation so the loop does not inspect signatures or configs per step.
+    """
+
+    model: nn.Module
+    device: torch.device  # input device (embeddings)
+    vocab: int  # logit width
+    mask_kind: str  # attention implementation ("sdpa" or "eager")
+    dtype: torch.dtype  # activation dtype (for additive masks)
+    keeps_logits: bool  # forward() takes logits_to_keep
+
+    @classmethod
+    def of(cls, name: str, model: object) -> ModelHandle:
+        """Check ``model`` with :func:`check_causal_lm` and collect its facts."""
+        module = check_causal_lm(name, model)
+        weight = next(module.parameters(), None)
+        return cls(
+            model=module,
+            device=input_device(module),
+            vocab=logits_width(module),
+            mask_kind=attention_implementation(module),
+            dtype=weight.dtype if weight is not None else torch.float32,
+            keeps_logits=supports_logits_to_keep(module),
+        )

@@ -1,0 +1,159 @@
+"""Tiny random HuggingFace models and prompts for the generation tests.
+
+Random models with the default initialiser (std 0.02) have almost flat next-token distributions:
+greedy decoding then hinges on logit gaps of ~1e-4, where the float rounding of a differently
+shaped (but mathematically equal) forward can flip an argmax. The models here use a larger
+initialiser so their distributions are peaky, like trained models, and the draft is a *noisy
+copy* of the target (same architecture, Gaussian noise on every weight) so that it agrees with
+the target often — an unrelated random draft would accept almost nothing and leave the
+acceptance paths of the loop untested.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import Tensor
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    OPTConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
+
+PAD_ID = 0
+EOS_ID = 1
+BOS_ID = 2
+ARCHS = ("llama", "gpt2")  # rotary and learned absolute positions: the main test matrix
+MORE_ARCHS = ("qwen2", "mistral", "opt")  # checked more lightly
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread() -> Iterator[None]:
+    """Run the tiny models on one intra-op thread (import this fixture into a test module).
+
+    Their matrices are so small that a second thread only adds synchronisation; on a loaded
+    2-core machine, spinning threads made each forward pass 20-40x slower.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(
+    arch: str,
+    seed: int,
+    *,
+    vocab: int = 128,
+    hidden: int = 64,
+    layers: int = 2,
+    init_range: float = 0.25,
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """A random causal LM of family ``arch`` (see ``ARCHS`` and ``MORE_ARCHS``)."""
+    torch.manual_seed(seed)
+    ids = {"pad_token_id": PAD_ID, "eos_token_id": EOS_ID, "bos_token_id": BOS_ID}
+    if arch == "llama":
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            initializer_range=init_range,
+            **ids,
+        )
+        model: PreTrainedModel = LlamaForCausalLM(config)
+    elif arch == "gpt2":
+        config = GPT2Config(
+            vocab_size=vocab,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=4,
+            n_positions=2048,
+            initializer_range=init_range,
+            **ids,
+        )
+        model = GPT2LMHeadModel(config)
+    elif arch in MORE_ARCHS:
+        model = AutoModelForCausalLM.from_config(
+            _more_config(arch, vocab, hidden, layers, init_range)
+        )
+    else:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS + MORE_ARCHS}")
+    model.set_attn_implementation(attn_implementation)
+    return model.eval()
+
+
+def _more_config(arch: str, vocab: int, hidden: int, layers: int, init_range: float):
+    """Qwen2 (biased q/k/v), Mistral (sliding window 4096 by default), OPT (learned positions)."""
+    ids = {"pad_token_id": PAD_ID, "eos_token_id": EOS_ID, "bos_token_id": BOS_ID}
+    if arch == "opt":
+        return OPTConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            ffn_dim=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            word_embed_proj_dim=hidden,
+            init_std=init_range,
+            **ids,
+        )
+    config_class = Qwen2Config if arch == "qwen2" else MistralConfig
+    return config_class(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=init_range,
+        **ids,
+    )
+
+
+def noisy_copy(model: PreTrainedModel, noise: float, seed: int) -> PreTrainedModel:
+    """A copy of ``model`` with N(0, ``noise`` * std(w)) added to every weight tensor ``w``."""
+    clone = type(model)(model.config).eval()
+    clone.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in clone.parameters():
+            scale = p.std() if p.numel() > 1 else p.abs()
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * noise * scale)
+    return clone
+
+
+def tiny_pair(
+    arch: str, seed: int, *, noise: float = 0.15, **kwargs: object
+) -> tuple[PreTrainedModel, PreTrainedModel]:
+    """(target, draft): a tiny random target and its noisy copy."""
+    target = tiny_model(arch, seed, **kwargs)  # type: ignore[arg-type]
+    return target, noisy_copy(target, noise, seed + 1000)
+
+
+def left_padded_prompts(
+    batch: int, min_len: int, max_len: int, vocab: int, seed: int
+) -> tuple[Tensor, Tensor]:
+    """``(input_ids [batch, max_len], attention_mask [batch, max_len])``, left-padded.
+
+    Lengths spread evenly over ``[min_len, max_len]`` so every batch mixes short and long rows;
+    tokens avoid the special ids so that no prompt contains EOS.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.linspace(min_len, max_len, batch).round().to(torch.int64)
+    lengths = lengths[torch.randperm(batch, generator=gen)]
+    tokens = torch.randint(3, vocab, (batch, max_len), generator=gen)
+    positions = torch.arange(max_len).unsqueeze(0)
+    mask = positions >= (max_len - lengths).unsqueeze(1)
+    return torch.where(mask, tokens, PAD_ID), mask.to(torch.int64)

@@ -1,0 +1,243 @@
+"""Bad input to speculative_generate raises a clear error naming what is wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from transformers import GenerationConfig, MistralConfig, MistralForCausalLM
+
+from hf_models import (  # noqa: F401  (single_thread is an autouse fixture)
+    left_padded_prompts,
+    single_thread,
+    tiny_model,
+    tiny_pair,
+)
+from specselect import make_selector
+from specselect.hf import speculative_generate
+
+VOCAB = 128
+
+
+class NoCacheLM(nn.Module):
+    """A causal LM whose forward cannot take a KV cache."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, 8)
+        self.head = nn.Linear(8, config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        return self.head(self.embed(input_ids))
+
+
+class IgnoresCacheLM(NoCacheLM):
+    """A causal LM that accepts ``past_key_values`` but never writes to it."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, **_):
+        return type("Out", (), {"logits": self.head(self.embed(input_ids))})()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_pair("llama", 0, noise=0.02)
+
+
+def call(models, **overrides: Any):
+    """speculative_generate on valid defaults, with some arguments replaced."""
+    target, draft = models
+    ids, mask = left_padded_prompts(4, 2, 6, VOCAB, 0)
+    kwargs: dict[str, Any] = {
+        "target": target,
+        "draft": draft,
+        "input_ids": ids,
+        "attention_mask": mask,
+        "selector": make_selector("tetris", k=2),
+        "max_new_tokens": 4,
+    }
+    kwargs.update(overrides)
+    return speculative_generate(**kwargs)
+
+
+def with_attn(name: str) -> Callable[[Any], nn.Module]:
+    def build(models):
+        model = tiny_model("llama", 0)
+        model.config._attn_implementation = name
+        return model
+
+    return build
+
+
+def draft_with(**config_changes: Any) -> Callable[[Any], nn.Module]:
+    def build(models):
+        config = models[0].config.to_dict()
+        config.update(config_changes)
+        return type(models[0])(type(models[0].config)(**config)).eval()
+
+    return build
+
+
+def sliding_window_target(models) -> nn.Module:
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=16,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    model = MistralForCausalLM(config).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+# (id, argument to replace, builder(models) -> value, exception, message pattern)
+CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
+    ("mismatched eos", "draft", draft_with(eos_token_id=5), ValueError, "share a tokenizer"),
+    ("mismatched vocab", "draft", draft_with(vocab_size=96), ValueError, "vocabulary sizes"),
+    (
+        "tokenizer not covered",
+        "tokenizer",
+        lambda m: range(VOCAB + 1),
+        ValueError,
+        "cover the tokenizer",
+    ),
+    (
+        "empty batch",
+        "input_ids",
+        lambda m: torch.zeros(0, 5, dtype=torch.int64),
+        ValueError,
+        "empty batch",
+    ),
+    (
+        "no prompt tokens",
+        "input_ids",
+        lambda m: torch.zeros(4, 0, dtype=torch.int64),
+        ValueError,
+        "input_ids has no tokens",
+    ),
+    ("float ids", "input_ids", lambda m: torch.zeros(4, 6), TypeError, "input_ids"),
+    (
+        "ids out of range",
+        "input_ids",
+        lambda m: torch.full((4, 6), VOCAB),
+        ValueError,
+        r"input_ids must be token ids in \[0, 128\)",
+    ),
+    ("max_new_tokens < 0", "max_new_tokens", lambda m: -1, ValueError, "max_new_tokens"),
+    ("max_new_tokens float", "max_new_tokens", lambda m: 2.5, TypeError, "max_new_tokens"),
+    (
+        "mask wrong shape",
+        "attention_mask",
+        lambda m: torch.ones(4, 5, dtype=torch.int64),
+        ValueError,
+        "attention_mask must have the shape",
+    ),
+    (
+        "mask wrong rank",
+        "attention_mask",
+        lambda m: torch.ones(4, dtype=torch.int64),
+        ValueError,
+        "attention_mask must have rank 2",
+    ),
+    ("mask values", "attention_mask", lambda m: torch.full((4, 6), 2), ValueError, "only 0 and 1"),
+    (
+        "right padding",
+        "attention_mask",
+        lambda m: torch.tensor([[1, 1, 1, 1, 1, 0]] * 4),
+        ValueError,
+        "left-padded",
+    ),
+    (
+        "model without KV cache",
+        "draft",
+        lambda m: NoCacheLM(m[0].config),
+        ValueError,
+        "does not support a KV cache",
+    ),
+    (
+        "model ignoring its KV cache",
+        "draft",
+        lambda m: IgnoresCacheLM(m[0].config),
+        RuntimeError,
+        "does not append to past_key_values",
+    ),
+    (
+        "flash attention target",
+        "target",
+        with_attn("flash_attention_2"),
+        ValueError,
+        "cannot take custom attention masks",
+    ),
+    (
+        "flash attention draft",
+        "draft",
+        with_attn("flash_attention_3"),
+        ValueError,
+        "draft uses attn_implementation='flash_attention_3'",
+    ),
+    ("not a model", "target", lambda m: "gpt2", TypeError, "target must be a HuggingFace"),
+    (
+        "sliding window too short",
+        "target",
+        sliding_window_target,
+        ValueError,
+        "sliding-window attention",
+    ),
+    ("not a selector", "selector", lambda m: "tetris", TypeError, "selector must be"),
+    ("generator type", "generator", lambda m: 42, TypeError, "generator must be"),
+    ("temperature 0", "temperature", lambda m: 0.0, ValueError, "temperature"),
+    ("top_p > 1", "top_p", lambda m: 1.5, ValueError, "top_p"),
+    ("top_k negative", "top_k", lambda m: -3, ValueError, "top_k"),
+    (
+        "beam search config",
+        "generation_config",
+        lambda m: GenerationConfig(num_beams=2),
+        ValueError,
+        "num_beams",
+    ),
+    (
+        "config type",
+        "generation_config",
+        lambda m: {"max_new_tokens": 3},
+        TypeError,
+        "generation_config must be",
+    ),
+    ("negative cache slack", "cache_slack", lambda m: -1, ValueError, "cache_slack"),
+]
+
+
+@pytest.mark.parametrize(
+    ("argument", "build", "error", "pattern"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_bad_input_raises(models, argument, build, error, pattern) -> None:
+    overrides = {argument: build(models)}
+    if argument in ("temperature", "top_p", "top_k"):
+        overrides["do_sample"] = True
+    with pytest.raises(error, match=pattern):
+        call(models, **overrides)
+
+
+def test_valid_defaults_run(models) -> None:
+    """The baseline every error case modifies is itself valid."""
+    out = call(models)
+    assert out.sequences.shape == (4, 6 + 4)
+
+
+def test_selector_with_negative_draft_length(models) -> None:
+    class Broken(type(make_selector("fixed", k=1))):
+        def draft_length(self, num_active: int) -> int:
+            return -1
+
+    with pytest.raises(ValueError, match=r"selector.draft_length\(\) must be >= 0"):
+        call(models, selector=Broken(k=1))

@@ -1,0 +1,450 @@
+"""Greedy speculative generation is token-identical to the target's own greedy decoding.
+
+Fixtures (tests/hf_models.py): tiny random Llama (rotary positions) and GPT-2 (learned absolute
+positions) targets, vocab 128, hidden 64, 2 layers; the draft is a noisy copy of the target. With
+the noise levels below the draft's greedy token equals the target's on about 75% (Llama) and
+75-85% (GPT-2) of positions along the target's greedy text, so every selector sees long accepted
+runs, partial acceptance and rejections.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from hf_models import (  # noqa: F401  (single_thread is an autouse fixture)
+    ARCHS,
+    MORE_ARCHS,
+    PAD_ID,
+    left_padded_prompts,
+    noisy_copy,
+    single_thread,
+    tiny_model,
+    tiny_pair,
+)
+from specselect import make_selector
+from specselect.hf import (
+    ChainDrafter,
+    RaggedCache,
+    SamplingParams,
+    forward_block,
+    speculative_generate,
+)
+from specselect.hf.compat import ModelHandle
+from specselect.selectors import SELECTORS
+
+NOISE = {"llama": 0.02, "gpt2": 0.04}
+SEEDS = (0, 1)
+BATCH, MIN_PROMPT, MAX_PROMPT, VOCAB = 8, 1, 12, 128
+MAX_NEW = 40
+
+#: Small constructor arguments for every registered selector; a new selector must be added here.
+SELECTOR_KWARGS: dict[str, dict[str, object]] = {
+    "tetris": {"k": 3, "extra": 2},
+    "fixed": {"k": 3},
+    "dsd": {"max_k": 4, "interval": 4},
+    "threshold": {"max_k": 4, "threshold": 0.1},
+    "heuristic": {"k0": 2, "max_k": 5},
+}
+
+
+def build_selector(name: str):
+    if name not in SELECTOR_KWARGS:
+        pytest.fail(f"selector {name!r} is registered but has no entry in SELECTOR_KWARGS")
+    return make_selector(name, **SELECTOR_KWARGS[name])
+
+
+@functools.cache
+def case(arch: str, seed: int):
+    """Models, prompts, an EOS id the target really produces, and generate()'s greedy output.
+
+    The EOS id is chosen from the target's greedy continuations so that about half of the rows
+    stop early (often on an accepted draft token) and the others run to ``MAX_NEW``.
+    """
+    target, draft = tiny_pair(arch, seed, noise=NOISE[arch])
+    ids, mask = left_padded_prompts(BATCH, MIN_PROMPT, MAX_PROMPT, VOCAB, seed)
+    free = target.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=[]
+    )
+    eos = pick_eos(free[:, MAX_PROMPT:])
+    reference = target.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=MAX_NEW,
+        eos_token_id=eos,
+        pad_token_id=PAD_ID,
+    )
+    return target, draft, ids, mask, eos, reference
+
+
+def pick_eos(continuations: torch.Tensor) -> int:  # [B, MAX_NEW]
+    """The token whose first occurrence falls mid-continuation in closest to half of the rows."""
+    best, best_score = 0, None
+    for token in range(3, VOCAB):
+        hits = continuations == token
+        first = torch.where(hits.any(dim=1), hits.to(torch.int64).argmax(dim=1), MAX_NEW)
+        stopped = int(((first >= 3) & (first < MAX_NEW - 5)).sum())
+        early = int((first < 3).sum())
+        score = (early, abs(stopped - BATCH // 2))
+        if best_score is None or score < best_score:
+            best, best_score = token, score
+    return best
+
+
+def row_endings(stats, eos: int, sequences: torch.Tensor, prompt: int) -> list[str]:
+    """How each row ended: inside an accepted run at EOS or at max_new_tokens, or otherwise."""
+    endings = []
+    for row in range(sequences.shape[0]):
+        last = int(stats.row_steps[row]) - 1
+        start = sum(int(stats.accepted_per_step[t][row]) + 1 for t in range(last))
+        accepted = int(stats.accepted_per_step[last][row])
+        new = sequences[row, prompt:].tolist()
+        eos_at = new.index(eos) if eos in new else None
+        if eos_at is not None and start <= eos_at < start + accepted:
+            endings.append("eos_accepted")
+        elif eos_at is None and accepted >= 1 and start + accepted + 1 == MAX_NEW:
+            endings.append("max_new_in_run")
+        else:
+            endings.append("other")
+    return endings
+
+
+@pytest.mark.parametrize("selector_name", sorted(SELECTORS))
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_generate(arch: str, seed: int, selector_name: str) -> None:
+    target, draft, ids, mask, eos, reference = case(arch, seed)
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=build_selector(selector_name),
+        max_new_tokens=MAX_NEW,
+        eos_token_id=eos,
+        pad_token_id=PAD_ID,
+    )
+    assert out.sequences.shape == reference.shape
+    assert torch.equal(out.sequences, reference)
+    stats = out.stats
+    totals = stats.totals
+    assert totals.emitted == int(stats.emitted.sum()) == totals.accepted + totals.active
+    assert (
+        totals.verified == int(stats.verified.sum()) >= totals.accepted == int(stats.accepted.sum())
+    )
+    new_tokens = [
+        row.index(eos) + 1 if eos in row else MAX_NEW for row in reference[:, MAX_PROMPT:].tolist()
+    ]
+    assert stats.generated.tolist() == new_tokens
+    assert torch.all(stats.emitted - stats.generated <= 1)
+    # The case really contains both endings the identity must survive.
+    endings = row_endings(stats, eos, out.sequences, MAX_PROMPT)
+    assert {"eos_accepted", "max_new_in_run"} <= set(endings), endings
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_matches_assisted_generation_batch_1(arch: str) -> None:
+    """At batch size 1 the output equals HF's assisted generation (and plain greedy)."""
+    target, draft = tiny_pair(arch, 3, noise=NOISE[arch])
+    ids, mask = left_padded_prompts(3, 2, 9, VOCAB, 3)
+    for row in range(ids.shape[0]):
+        prompt = ids[row : row + 1, mask[row].bool()]
+        assisted = target.generate(
+            prompt, assistant_model=draft, do_sample=False, max_new_tokens=30, eos_token_id=[]
+        )
+        ours = speculative_generate(
+            target,
+            draft,
+            prompt,
+            selector=build_selector("fixed"),
+            max_new_tokens=30,
+            eos_token_id=[],
+        )
+        assert torch.equal(ours.sequences, assisted)
+
+
+def test_generation_config_fields_are_used_and_overridden() -> None:
+    target, draft, ids, mask, eos, reference = case("llama", 0)
+    config = GenerationConfig(max_new_tokens=7, eos_token_id=[], pad_token_id=PAD_ID)
+    out = speculative_generate(
+        target, draft, ids, mask, selector=build_selector("tetris"), generation_config=config
+    )
+    assert out.sequences.shape[1] == MAX_PROMPT + 7
+    override = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=build_selector("tetris"),
+        generation_config=config,
+        max_new_tokens=MAX_NEW,
+        eos_token_id=eos,
+    )
+    assert torch.equal(override.sequences, reference)
+    by_length = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=build_selector("fixed"),
+        progress=True,
+        generation_config=GenerationConfig(max_length=MAX_PROMPT + 5, eos_token_id=[]),
+    )  # max_length counts the padded prompt, as in generate()
+    short = target.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=[])
+    assert torch.equal(by_length.sequences, short)
+
+
+def test_vocabularies_differing_by_padding_rows() -> None:
+    """A draft with fewer logit rows than the target (its padding) still gives generate()'s output.
+
+    The random target does emit ids the draft cannot embed; the draft then sees a stand-in token,
+    which may cost acceptance but never changes the output.
+    """
+    target = tiny_model("llama", 5)
+    draft_vocab = 120
+    config = target.config.__class__(**{**target.config.to_dict(), "vocab_size": draft_vocab})
+    draft = type(target)(config).eval()
+    state = {
+        name: value[:draft_vocab] if ("embed_tokens" in name or "lm_head" in name) else value
+        for name, value in noisy_copy(target, 0.02, 6).state_dict().items()
+    }
+    draft.load_state_dict(state)
+    ids, mask = left_padded_prompts(BATCH, 2, 10, draft_vocab, 5)
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=[])
+    assert (reference[:, 10:] >= draft_vocab).any()
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=build_selector("tetris"),
+        max_new_tokens=30,
+        eos_token_id=[],
+        tokenizer=range(draft_vocab),
+    )
+    assert torch.equal(out.sequences, reference)
+    assert out.stats.totals.accepted > 0
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compaction_and_tree_mask_keep_logits(arch: str, attn: str) -> None:
+    """Cache primitives: holes, compaction (with row dropping) and a 4D block mask are exact.
+
+    A ragged cache with rejected columns, compacted and with a row dropped, must give the same
+    next-token logits as a clean forward pass over each row's real tokens; and a block fed with
+    an explicit causal ``[B, W, W]`` mask (the tree path) must equal the default 2D path.
+    """
+    model = tiny_model(arch, 7, attn_implementation=attn)
+    handle = ModelHandle.of("model", model)
+    gen = torch.Generator().manual_seed(7)
+    batch, width = 3, 5
+    cache = RaggedCache(batch, handle.device)
+    kept_tokens: list[list[int]] = [[] for _ in range(batch)]
+    with torch.inference_mode():
+        for _ in range(4):  # blocks of 5 tokens, keeping a random prefix of each row
+            block = torch.randint(3, VOCAB, (batch, width), generator=gen)
+            forward_block(handle, cache, block, torch.ones(batch, width, dtype=torch.bool))
+            keep_n = torch.randint(1, width + 1, (batch,), generator=gen)
+            cache.commit(torch.arange(width).unsqueeze(0) < keep_n.unsqueeze(1))
+            for row in range(batch):
+                kept_tokens[row] += block[row, : int(keep_n[row])].tolist()
+        probe = torch.randint(3, VOCAB, (batch, 2), generator=gen)
+        valid = torch.ones(batch, 2, dtype=torch.bool)
+        causal = torch.ones(2, 2, dtype=torch.bool).tril().expand(batch, 2, 2)
+        rows = torch.tensor([2, 0])
+        cache.compact(rows, int(cache.count[rows].max()))
+        assert cache.width == max(len(kept_tokens[r]) for r in rows.tolist())
+        two_d = forward_block(handle, cache, probe[rows], valid[rows])
+        cache.commit(torch.zeros(2, 2, dtype=torch.bool))  # drop the probe again
+        four_d = forward_block(handle, cache, probe[rows], valid[rows], block_mask=causal[rows])
+        for i, row in enumerate(rows.tolist()):
+            clean = model(torch.tensor([kept_tokens[row] + probe[row].tolist()])).logits[0, -2:]
+            torch.testing.assert_close(two_d[i], clean, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(four_d[i], clean, rtol=1e-4, atol=1e-4)
+
+
+LONG_NEW, LONG_SLACK = 520, 16
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_long_run_keeps_cache_bounded(arch: str) -> None:
+    """500+ tokens with many rejections: after every step each cache is at most
+    ``prompt + generated + LONG_SLACK`` columns wide, compaction really happens, and the output is
+    still generate()'s.
+
+    A noisier draft (VSR about 0.25) leaves most of each verified window rejected, so without
+    compaction the caches would grow by up to ``k + 1`` columns per step.
+    """
+    target, draft = tiny_pair(arch, 11, noise=3 * NOISE[arch])
+    ids, mask = left_padded_prompts(3, 3, 10, VOCAB, 11)
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=build_selector("fixed"),
+        max_new_tokens=LONG_NEW,
+        eos_token_id=[],
+        cache_slack=LONG_SLACK,
+    )
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=LONG_NEW, eos_token_id=[])
+    assert torch.equal(out.sequences, reference)
+    stats = out.stats
+    assert stats.totals.vsr < 0.4, "the run must reject a lot to create holes"
+    generated = torch.stack(
+        [
+            (accepted + 1) * (step < stats.row_steps)
+            for step, accepted in enumerate(stats.accepted_per_step)
+        ]
+    ).cumsum(dim=0)  # [steps, B]: tokens generated per row after each step
+    prompt = ids.shape[1]
+    shrank = 0
+    for step, (target_width, draft_width) in enumerate(stats.cache_widths):
+        bound = prompt + int(generated[step].max()) + LONG_SLACK
+        assert target_width <= bound and draft_width <= bound, (step, target_width, draft_width)
+        if step and target_width < stats.cache_widths[step - 1][0]:
+            shrank += 1
+    verified_columns = sum(int(v.max()) + 1 for v in stats.verified_per_step)
+    assert prompt + verified_columns > prompt + LONG_NEW + LONG_SLACK  # it would have overflowed
+    assert shrank >= 3
+
+
+@pytest.mark.parametrize(
+    ("dtype", "attn"), [(torch.float64, "eager"), (torch.float64, "sdpa"), (torch.bfloat16, "sdpa")]
+)
+def test_other_dtypes_and_eager_attention(dtype: torch.dtype, attn: str) -> None:
+    """float64 (either kernel) is identical to generate(); bfloat16 runs and stays well-formed.
+
+    In half precision the two loops batch their forward passes differently, so near-ties in the
+    logits (gaps below the format's resolution) may resolve differently: only the format of the
+    output is checked there.
+    """
+    target, draft = (m.to(dtype) for m in tiny_pair("gpt2", 0, noise=NOISE["gpt2"]))
+    for model in (target, draft):
+        model.set_attn_implementation(attn)
+    ids, mask = left_padded_prompts(BATCH, MIN_PROMPT, MAX_PROMPT, VOCAB, 0)
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=build_selector("tetris"),
+        max_new_tokens=20,
+        eos_token_id=[],
+    )
+    assert out.sequences.shape == (BATCH, MAX_PROMPT + 20)
+    assert torch.equal(out.sequences[:, :MAX_PROMPT], ids)
+    assert int(out.sequences.min()) >= 0 and int(out.sequences.max()) < VOCAB
+    if dtype == torch.float64:
+        reference = target.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[])
+        assert torch.equal(out.sequences, reference)
+
+
+@pytest.mark.parametrize("arch", MORE_ARCHS)
+def test_more_architectures(arch: str) -> None:
+    """Qwen2, Mistral (its sliding window is longer than the run) and OPT match generate() too."""
+    target, draft = tiny_pair(arch, 0, noise=0.02)
+    ids, mask = left_padded_prompts(BATCH, MIN_PROMPT, MAX_PROMPT, VOCAB, 0)
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[])
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=build_selector("tetris"),
+        max_new_tokens=24,
+        eos_token_id=[],
+    )
+    assert torch.equal(out.sequences, reference)
+    assert out.stats.totals.vsr > 0.3
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_block_keeps_accepted_path(arch: str, attn: str) -> None:
+    """The cache operation trees need: a block of tree nodes with an ancestor mask and per-node
+    depths gives each node the logits of its root-to-node path, and committing only the accepted
+    path leaves a cache equal to one that saw just that path.
+
+    Tree per row: root r, children a and b of r, c child of b (nodes [r, a, b, c]); path r-b-c.
+    """
+    model = tiny_model(arch, 8, attn_implementation=attn)
+    handle = ModelHandle.of("model", model)
+    gen = torch.Generator().manual_seed(8)
+    batch = 2
+    prefix = torch.randint(3, VOCAB, (batch, 4), generator=gen)
+    nodes = torch.randint(3, VOCAB, (batch, 4), generator=gen)
+    probe = torch.randint(3, VOCAB, (batch, 1), generator=gen)
+    ancestors = torch.tensor(
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool
+    ).expand(batch, 4, 4)
+    depth = torch.tensor([0, 1, 1, 2]).expand(batch, 4)
+    all_valid = torch.ones(batch, 4, dtype=torch.bool)
+    cache = RaggedCache(batch, handle.device)
+    with torch.inference_mode():
+        forward_block(handle, cache, prefix, all_valid)
+        cache.commit(all_valid)
+        tree = forward_block(
+            handle, cache, nodes, all_valid, depth=depth, block_mask=ancestors
+        )  # [B, 4, V]
+        cache.commit(torch.tensor([True, False, True, True]).expand(batch, 4))
+        after = forward_block(handle, cache, probe, torch.ones(batch, 1, dtype=torch.bool))
+        for row in range(batch):
+            for node, path in enumerate([[0], [0, 1], [0, 2], [0, 2, 3]]):
+                seq = torch.cat([prefix[row], nodes[row, path]]).unsqueeze(0)
+                torch.testing.assert_close(
+                    tree[row, node], model(seq).logits[0, -1], rtol=1e-4, atol=1e-4
+                )
+            seq = torch.cat([prefix[row], nodes[row, [0, 2, 3]], probe[row]]).unsqueeze(0)
+            torch.testing.assert_close(
+                after[row, 0], model(seq).logits[0, -1], rtol=1e-4, atol=1e-4
+            )
+
+
+def clean_greedy(model, tokens: list[int], k: int) -> list[int]:
+    """The model's greedy continuation of ``tokens``, recomputed from scratch (no cache)."""
+    out: list[int] = []
+    for _ in range(k):
+        logits = model(torch.tensor([tokens + out])).logits[0, -1]
+        out.append(int(logits.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_drafter_proposes_its_own_greedy_continuation(arch: str) -> None:
+    """The draft side is invisible to the identity tests (the target corrects any draft), so
+    check it directly: through windows of 0..4 tokens, random acceptance (including fully
+    accepted windows, whose last token the draft never ran on), a dropped row and a compaction,
+    every drafted chain equals the draft model's greedy continuation of the row's sequence.
+    """
+    model = tiny_model(arch, 9)
+    batch = 4
+    ids, mask = left_padded_prompts(batch, 1, 6, VOCAB, 9)
+    sequences = [ids[r][mask[r].bool()].tolist() for r in range(batch)]
+    drafter = ChainDrafter(ModelHandle.of("draft", model), batch, VOCAB, SamplingParams(), None)
+    gen = torch.Generator().manual_seed(9)
+    rows = list(range(batch))
+    with torch.no_grad():
+        drafter.prefill(ids[:, :-1], mask[:, :-1].bool(), ids[:, -1])
+        for step, k in enumerate([3, 0, 2, 3, 1, 0, 0, 4, 3, 2]):
+            chain = drafter.draft(k)
+            for i, row in enumerate(rows):
+                assert chain.tokens[i].tolist() == clean_greedy(model, sequences[row], k)
+            accepted = torch.randint(0, k + 1, (len(rows),), generator=gen)
+            accepted[0] = k  # one fully accepted window per step
+            next_token = torch.randint(3, VOCAB, (len(rows),), generator=gen)
+            drafter.advance(k, accepted, next_token)
+            for i, row in enumerate(rows):
+                sequences[row] += chain.tokens[i, : int(accepted[i])].tolist()
+                sequences[row].append(int(next_token[i]))
+            if step == 4:  # row 1 finishes
+                keep = torch.tensor([0, 2, 3])
+                drafter.keep_rows(keep, int(drafter.cache.count[keep].max()))
+                rows = [0, 2, 3]
+            if step == 7:
+                drafter.keep_rows(None, int(drafter.cache.count.max()))

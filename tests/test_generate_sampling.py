@@ -1,0 +1,114 @@
+"""Speculative sampling is lossless: generated tokens follow the target's own distribution.
+
+On a tiny-vocabulary pair (vocab 8, hidden 32, 2 layers; the draft a noisy copy of the target,
+per-token acceptance sum(min(p, q)) ~0.73 at temperature 1) thousands of rows sample the same two
+left-padded prompts in one batch. The empirical distribution of the first two generated tokens
+(jointly) and of the third token must match the exact target distribution, computed by
+enumerating every prefix with the target and processing its logits with HuggingFace's own
+temperature/top-k/top-p warpers (an implementation independent of specselect.sampling).
+Chi-square goodness of fit, alpha = 0.001 per test, fixed seeds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from hf_models import PAD_ID, single_thread, tiny_pair  # noqa: F401  (autouse fixture)
+from specselect import make_selector
+from specselect.hf import speculative_generate
+
+ALPHA = 0.001
+VOCAB = 8
+ROWS_PER_PROMPT = 2500
+PROMPTS = ([5, 3, 7, 4, 6], [6, 4])  # different lengths: the second is left-padded
+MAX_NEW = 3
+
+CONFIGS = {
+    "t1": {"temperature": 1.0},
+    "t0.7-topk5": {"temperature": 0.7, "top_k": 5},
+    "t1.3-topp0.8": {"temperature": 1.3, "top_p": 0.8},
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair("llama", 0, noise=0.3, vocab=VOCAB, hidden=32, init_range=0.15)
+
+
+def hf_probs(logits: torch.Tensor, config: dict[str, float]) -> torch.Tensor:  # [N, V] -> [N, V]
+    """Target distribution after HF's warpers, in generate()'s order (temperature, k, p)."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(config["temperature"])])
+    if "top_k" in config:
+        warpers.append(TopKLogitsWarper(int(config["top_k"])))
+    if "top_p" in config:
+        warpers.append(TopPLogitsWarper(config["top_p"]))
+    return torch.softmax(warpers(None, logits.double()), dim=-1)
+
+
+def exact_distributions(target, prompt: list[int], config) -> tuple[torch.Tensor, torch.Tensor]:
+    """``joint [V, V]`` of the first two tokens and ``third [V]``, by enumerating prefixes."""
+    pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # [V*V, 2]
+    seqs = torch.cat([torch.tensor(prompt).expand(VOCAB * VOCAB, -1), pairs], dim=1)
+    with torch.no_grad():
+        logits = target(seqs).logits[:, -3:]  # predictions for tokens 1, 2, 3
+    first = hf_probs(logits[0, 0:1], config)[0]  # [V]
+    second = hf_probs(logits[:, 1], config).view(VOCAB, VOCAB, VOCAB)  # [a, b | a]: take b=any
+    second = second[:, 0]  # the prediction for token 2 depends only on token 1 (row a*V + 0)
+    joint = first.unsqueeze(1) * second  # [a, b]
+    third = hf_probs(logits[:, 2], config)  # [a*V + b, c]
+    return joint, (joint.reshape(-1, 1) * third).sum(dim=0)
+
+
+def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness-of-fit p-value; cells expecting fewer than 5 counts are pooled into one."""
+    observed, expected = observed.double().reshape(-1), probs.reshape(-1) * observed.sum()
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = exp > 0
+    assert int(obs[~keep].sum()) == 0, "a token with probability 0 was generated"
+    return float(chisquare(obs[keep].numpy(), exp[keep].numpy()).pvalue)
+
+
+@pytest.mark.parametrize("selector_name", ["tetris", "fixed"])
+@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+def test_sampled_tokens_follow_target_distribution(pair, config_name: str, selector_name: str):
+    target, draft = pair
+    config = CONFIGS[config_name]
+    width = max(len(p) for p in PROMPTS)
+    ids = torch.full((len(PROMPTS) * ROWS_PER_PROMPT, width), PAD_ID)
+    mask = torch.zeros_like(ids)
+    for i, prompt in enumerate(PROMPTS):
+        ids[i::2, width - len(prompt) :] = torch.tensor(prompt)
+        mask[i::2, width - len(prompt) :] = 1
+    kwargs = {"k": 3, "extra": 1} if selector_name == "tetris" else {"k": 3}
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=make_selector(selector_name, **kwargs),
+        max_new_tokens=MAX_NEW,
+        do_sample=True,
+        eos_token_id=[],
+        generator=torch.Generator().manual_seed(1234),
+        **config,
+    )
+    totals = out.stats.totals
+    assert 0.3 < totals.vsr < 0.95, "the fixture must exercise both acceptance and rejection"
+    new = out.sequences[:, width:]
+    assert new.shape == (ids.shape[0], MAX_NEW)
+    for i, prompt in enumerate(PROMPTS):
+        joint, third = exact_distributions(target, prompt, config)
+        rows = new[i::2]
+        observed_joint = torch.bincount(rows[:, 0] * VOCAB + rows[:, 1], minlength=VOCAB**2)
+        assert chi_square_pvalue(observed_joint, joint) > ALPHA
+        assert chi_square_pvalue(torch.bincount(rows[:, 2], minlength=VOCAB), third) > ALPHA
