@@ -78,7 +78,17 @@ def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs[keep].numpy(), exp[keep].numpy()).pvalue)
 
 
-@pytest.mark.parametrize("selector_name", ["tetris", "fixed"])
+# Selectors that look at draft probabilities (TETRIS as in the paper, TETRIS with its default
+# estimator, a confidence threshold) are where a non-causal selection would bias sampling.
+SELECTORS = {
+    "tetris": lambda: make_selector("tetris", k=3, extra=1),
+    "tetris-paper": lambda: make_selector("tetris", k=3, extra=1, estimator=None, guard=False),
+    "threshold": lambda: make_selector("threshold", max_k=4, threshold=0.3),
+    "fixed": lambda: make_selector("fixed", k=3),
+}
+
+
+@pytest.mark.parametrize("selector_name", sorted(SELECTORS))
 @pytest.mark.parametrize("config_name", sorted(CONFIGS))
 def test_sampled_tokens_follow_target_distribution(pair, config_name: str, selector_name: str):
     target, draft = pair
@@ -89,13 +99,12 @@ def test_sampled_tokens_follow_target_distribution(pair, config_name: str, selec
     for i, prompt in enumerate(PROMPTS):
         ids[i::2, width - len(prompt) :] = torch.tensor(prompt)
         mask[i::2, width - len(prompt) :] = 1
-    kwargs = {"k": 3, "extra": 1} if selector_name == "tetris" else {"k": 3}
     out = speculative_generate(
         target,
         draft,
         ids,
         mask,
-        selector=make_selector(selector_name, **kwargs),
+        selector=SELECTORS[selector_name](),
         max_new_tokens=MAX_NEW,
         do_sample=True,
         eos_token_id=[],

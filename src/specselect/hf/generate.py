@@ -10,7 +10,9 @@ selector state stays aligned with the caller's rows):
    where selection and verification run.
 2. Draft positions that could not be emitted get ``-inf`` log-probability: ``j >= remaining - 1``
    (the end-of-row convention shared with trace replay) and every position after a drafted EOS.
-3. ``selection = selector.select(draft_logprobs, active)``.
+3. ``selection = selector.select(draft_logprobs, active)``. When sampling, the selector sees
+   causal scores (:func:`~specselect.scores.causal_logprobs`) instead of the raw log q: judging
+   a sampled token by its own probability would bias the output.
 4. One target pass over ``[pending token, selected drafts]``, rows padded to the longest
    selection (padding columns become KV holes).
 5. :func:`~specselect.verify.greedy_verify` or :func:`~specselect.verify.rejection_verify`;
@@ -59,6 +61,7 @@ from specselect.hf.draft import ChainDrafter, DraftChain, SamplingParams
 from specselect.hf.options import GenerationOptions, resolve_options
 from specselect.metrics import StepCounts, Totals
 from specselect.sampling import check_generator
+from specselect.scores import causal_logprobs, expected_self_logprob
 from specselect.selection import NEG_INF, Selector, available_lengths, prefix_mask
 from specselect.verify import greedy_verify, rejection_verify
 
@@ -350,7 +353,7 @@ class _Loop:
         most = max(self.options.max_new_tokens - self.generated_host[r] for r in self.row_ids)
         k = min(k, most - 1)
         chain = self.drafter.draft(k).to(self.device)
-        logprobs = self._mask_unemittable(chain)  # [B_a, k]
+        logprobs = self._mask_unemittable(chain, _selection_scores(chain))  # [B_a, k]
         selection = self.selector.select(self._to_full(logprobs, NEG_INF), self.active_full)
         # A selector that broke its contract must not be able to overflow a row.
         lengths = torch.minimum(self._to_active(selection.lengths), available_lengths(logprobs))
@@ -390,9 +393,8 @@ class _Loop:
         self.stats.cache_widths.append((self.cache.width, self.drafter.cache.width))
         return sum(report[3]) + retired_slots
 
-    def _mask_unemittable(self, chain: DraftChain) -> Tensor:  # -> [B_a, k]
+    def _mask_unemittable(self, chain: DraftChain, logprobs: Tensor) -> Tensor:  # -> [B_a, k]
         """``-inf`` for draft positions that could not be emitted (see the module docstring)."""
-        logprobs = chain.logprobs
         k = logprobs.shape[1]
         columns = torch.arange(k, device=self.device)
         remaining = self.options.max_new_tokens - self.generated  # [B_a]
@@ -511,3 +513,15 @@ class _Loop:
 
 
 __all__ = ["DEFAULT_CACHE_SLACK", "GenerationStats", "SpeculativeOutput", "speculative_generate"]
+
+
+def _selection_scores(chain: DraftChain) -> Tensor:  # -> [B_a, k]
+    """What the selector sees: draft log-probs, made causal when the tokens were sampled.
+
+    A selector that judged a *sampled* token by its own probability would bias speculative
+    sampling (:mod:`specselect.scores`); greedy drafts are functions of their prefix and may be
+    judged by their own probability.
+    """
+    if chain.probs is None:
+        return chain.logprobs
+    return causal_logprobs(chain.logprobs, expected_self_logprob(chain.probs))
