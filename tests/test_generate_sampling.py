@@ -83,7 +83,7 @@ def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
 SELECTORS = {
     "tetris": lambda: make_selector("tetris", k=3, extra=1),
     "tetris-paper": lambda: make_selector("tetris", k=3, extra=1, estimator=None, guard=False),
-    "threshold": lambda: make_selector("threshold", max_k=4, threshold=0.3),
+    "threshold": lambda: make_selector("threshold", max_k=4, threshold=0.1),
     "fixed": lambda: make_selector("fixed", k=3),
 }
 
