@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specselect.cli import main, read_prompts
+from specselect.cli import default_selectors, main, read_prompts
 from specselect.cost import CostModel
 from specselect.replay import OracleSelector, load_traces, replay, selector_grid
 from specselect.selectors import SELECTORS
@@ -114,12 +114,19 @@ def test_compare_writes_table_json_report_and_plots(compare_run: dict) -> None:
         assert f"\n{name} " in table, name
     assert "tok/step" in table and "VSR" in table and "goodput" in table
     results = json.loads((out / "results.json").read_text())
-    expected = selector_grid([*sorted(SELECTORS), "oracle"], [1, 2], [1, 2], [3])
+    expected = selector_grid([*default_selectors(), "oracle"], [1, 2], [1, 2], [3])
     assert len(results["rows"]) == len(expected)
     assert {r["label"] for r in results["rows"]} == {c.label for c in expected}
     report = (out / "report.md").read_text()
     assert "| selector |" in report and "## Summary" in report
-    for png in ("tokens_per_step_vs_budget.png", "vsr_vs_extra.png"):
+    assert "## Reliability of the ranked scores" in report
+    # raw TETRIS (the paper) and TETRIS with each estimator are all compared by default
+    assert {"tetris", "tetris+none", "tetris+calibrated"} <= {
+        r["selector"] for r in results["rows"]
+    }
+    calibrated = [r for r in results["rows"] if r["selector"] == "tetris+calibrated"]
+    assert all(sum(b["tokens"] for b in r["calibration"]) > 0 for r in calibrated)
+    for png in ("tokens_per_step_vs_budget.png", "vsr_vs_extra.png", "reliability.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png})" in report
     traces = load_traces(out / "traces.pt")
@@ -132,7 +139,7 @@ def test_compare_numbers_match_the_library(compare_run: dict) -> None:
     traces = load_traces(out / "traces.pt")
     results = json.loads((out / "results.json").read_text())
     configs = {
-        c.label: c for c in selector_grid([*sorted(SELECTORS), "oracle"], [1, 2], [1, 2], [3])
+        c.label: c for c in selector_grid([*default_selectors(), "oracle"], [1, 2], [1, 2], [3])
     }
     for row in results["rows"]:
         totals = replay(traces, configs[row["label"]].build(CostModel()), slots=2).totals

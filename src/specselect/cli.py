@@ -138,8 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--selectors",
         type=_name_list,
         default=None,
-        help="comma-separated registry names (default: all registered); fixed SD "
-        "and the oracle are always included",
+        help="comma-separated registry names, optionally with +estimator for selectors that "
+        "take one (e.g. tetris+calibrated; tetris+none is the paper's TETRIS). Default: every "
+        "registered selector, plus TETRIS with each estimator. Fixed SD and the oracle are "
+        "always included",
     )
     grid.add_argument(
         "--k",
@@ -418,11 +420,18 @@ def live_totals(
 
 
 def _selector_names(args: argparse.Namespace) -> list[str]:
-    from specselect.registry import available_selectors
+    names = args.selectors if args.selectors is not None else default_selectors()
+    return list(dict.fromkeys(["fixed", *names, OracleSelector.name]))
 
-    names = args.selectors if args.selectors is not None else available_selectors()
-    names = list(dict.fromkeys(["fixed", *names, OracleSelector.name]))
-    return names
+
+def default_selectors() -> list[str]:
+    """Every registered selector, plus TETRIS as in the paper and with each estimator."""
+    from specselect.estimators import ESTIMATORS
+    from specselect.registry import available_selectors
+    from specselect.replay import NO_ESTIMATOR
+
+    others = [name for name in sorted(ESTIMATORS) if name != "history"]  # history: the default
+    return [*available_selectors(), *(f"tetris+{name}" for name in (NO_ESTIMATOR, *others))]
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -438,7 +447,9 @@ def run_compare(args: argparse.Namespace) -> int:
     traces, inputs = obtain_traces(args, max_k)
     cost_model = CostModel()
     replayed = compare_replay(traces, configs, args.slots, cost_model, progress=not args.quiet)
-    rows = [_row(config, result.totals, "modelled") for config, result in replayed]
+    rows = [
+        _row(config, result.totals, "modelled", result.calibration()) for config, result in replayed
+    ]
     if args.mode == "live":
         rows = _live_rows(args, inputs, traces, configs, rows, cost_model)
     meta = _meta(args, traces, cost_model, time.perf_counter() - began)
@@ -450,10 +461,22 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _row(config: SelectorConfig, totals: Totals, goodput_kind: str) -> ResultRow:
+def _row(
+    config: SelectorConfig,
+    totals: Totals,
+    goodput_kind: str,
+    calibration: list[dict[str, float]] | None = None,
+) -> ResultRow:
     params = {k: v for k, v in config.kwargs.items() if isinstance(v, int | float | str | None)}
     return ResultRow(
-        config.name, config.k, config.extra, config.budget, totals, goodput_kind, params
+        config.name,
+        config.k,
+        config.extra,
+        config.budget,
+        totals,
+        goodput_kind,
+        params,
+        calibration or [],
     )
 
 

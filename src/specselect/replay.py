@@ -43,6 +43,7 @@ from torch import Tensor
 
 from specselect._checks import check_int, check_tensor
 from specselect.cost import CostModel
+from specselect.estimators import ESTIMATORS, observed_outcomes
 from specselect.metrics import StepCounts, Totals
 from specselect.selection import (
     NEG_INF,
@@ -601,6 +602,20 @@ class ReplayResult:
     request_steps: Tensor  # [N] int64
     request_seconds: Tensor  # [N] float64
     selector: str = ""
+    reliability: Tensor | None = None  # [3, RELIABILITY_BINS]: predicted sum, passed, tested
+
+    def calibration(self) -> list[dict[str, float]]:
+        """Reliability diagram data: per bin of predicted acceptance, the mean prediction, the
+        observed acceptance rate and the number of tokens the target tested (bins with none
+        are left out)."""
+        if self.reliability is None:
+            return []
+        predicted, passed, tested = self.reliability.tolist()
+        return [
+            {"predicted": p / n, "observed": a / n, "tokens": n}
+            for p, a, n in zip(predicted, passed, tested, strict=True)
+            if n > 0
+        ]
 
     @cached_property
     def totals(self) -> Totals:
@@ -797,6 +812,7 @@ def replay(
     windows: list[int] = []
     accepted_per_step: list[Tensor] = []
     per_request = torch.zeros(4, n, dtype=torch.int64)  # verified, accepted, emitted, steps
+    reliability = torch.zeros(3, RELIABILITY_BINS, dtype=torch.float64)
     first = torch.full((n,), -1, dtype=torch.int64)
     last = torch.full((n,), -1, dtype=torch.int64)
     for step in iter_replay(traces, selector, slots, cost_model, context, refill=refill):
@@ -813,6 +829,8 @@ def replay(
             ]
         )[:, step.active]
         per_request.index_add_(1, req, stats)
+        if selector.last_scores is not None:
+            _add_reliability(reliability, selector.last_scores, step)
         first[req] = torch.where(first[req] < 0, step.index, first[req])
         last[req] = step.index
     cumulative = torch.tensor([0.0] + [s.seconds for s in steps], dtype=torch.float64).cumsum(0)
@@ -827,7 +845,21 @@ def replay(
         request_steps=per_request[3],
         request_seconds=request_seconds,
         selector=repr(selector),
+        reliability=reliability if reliability[2].sum() > 0 else None,
     )
+
+
+RELIABILITY_BINS = 10
+
+
+def _add_reliability(reliability: Tensor, scores: Tensor, step: ReplayStep) -> None:
+    """Accumulate predicted vs observed acceptance of the tokens the target tested this step."""
+    tested, passed = observed_outcomes(step.selection.lengths, step.accepted, scores.shape[1])
+    predicted = scores.exp().nan_to_num(0.0).to(torch.float64)[tested]
+    cells = (predicted * RELIABILITY_BINS).to(torch.int64).clamp(0, RELIABILITY_BINS - 1)
+    reliability[0].index_add_(0, cells, predicted)
+    reliability[1].index_add_(0, cells, passed[tested].to(torch.float64))
+    reliability[2].index_add_(0, cells, torch.ones_like(predicted))
 
 
 # --------------------------------------------------------------------------------------------
@@ -873,10 +905,34 @@ class SelectorConfig:
         from specselect.registry import make_selector
         from specselect.selectors import SELECTORS
 
+        base, estimator = split_spec(self.name)
         kwargs = dict(self.kwargs)
-        if "cost_model" in _parameters(SELECTORS[self.name]) and cost_model is not None:
+        if "cost_model" in _parameters(SELECTORS[base]) and cost_model is not None:
             kwargs["cost_model"] = cost_model
-        return make_selector(self.name, **kwargs)
+        return make_selector(base, **kwargs, **_estimator_kwargs(base, estimator))
+
+
+NO_ESTIMATOR = "none"
+"""Spec suffix for a selector without acceptance estimator or guard (``tetris+none``: the
+paper's TETRIS)."""
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """``"tetris+history"`` -> ``("tetris", "history")``; ``"fixed"`` -> ``("fixed", None)``."""
+    base, _, estimator = spec.partition("+")
+    return base, estimator or None
+
+
+def _estimator_kwargs(base: str, estimator: str | None) -> dict[str, Any]:
+    """Constructor arguments that select ``estimator`` for selector ``base``."""
+    if estimator is None:
+        return {}
+    from specselect.selectors import SELECTORS
+
+    takes_guard = "guard" in _parameters(SELECTORS[base])
+    if estimator == NO_ESTIMATOR:
+        return {"estimator": None, **({"guard": False} if takes_guard else {})}
+    return {"estimator": estimator}
 
 
 def _parameters(cls: type) -> dict[str, inspect.Parameter]:
@@ -925,7 +981,10 @@ def selector_grid(
 
     Selectors without an ``extra`` notion (fixed SD) get one configuration per ``k``; only
     selectors taking ``budget`` are repeated over ``budgets`` (in addition to their default
-    budget). ``"oracle"`` is accepted besides the registry names.
+    budget). ``"oracle"`` is accepted besides the registry names, and a name may carry an
+    acceptance estimator for selectors that take one: ``"tetris+calibrated"``,
+    ``"tetris+history"`` (TETRIS's default), ``"tetris+none"`` (the paper: no estimator, no
+    guard).
 
     Raises:
         ValueError: unknown selector name, empty or negative grids.
@@ -934,6 +993,7 @@ def selector_grid(
     from specselect.selectors import SELECTORS
 
     known: dict[str, type[Selector]] = {**SELECTORS, OracleSelector.name: OracleSelector}
+    estimators = [NO_ESTIMATOR, *sorted(ESTIMATORS)]
     for grid_name, grid, minimum in (("k", ks, 1), ("extra", extras, 0), ("budget", budgets, 0)):
         for value in grid:
             check_int(f"{grid_name} grid value", value, minimum=minimum)
@@ -942,12 +1002,21 @@ def selector_grid(
     configs: list[SelectorConfig] = []
     seen: set[tuple[Any, ...]] = set()
     for name in names:
-        if name not in known:
+        base, estimator = split_spec(name)
+        if base not in known:
             raise ValueError(
                 f"unknown selector {name!r}; expected one of "
-                f"{', '.join([*available_selectors(), OracleSelector.name])}"
+                f"{', '.join([*available_selectors(), OracleSelector.name])}, optionally with "
+                f"+estimator ({', '.join(estimators)}) for selectors that take one"
             )
-        params = _parameters(known[name])
+        params = _parameters(known[base])
+        if estimator is not None and ("estimator" not in params or estimator not in estimators):
+            raise ValueError(
+                f"selector spec {name!r}: {base!r} takes no estimator"
+                if "estimator" not in params
+                else f"selector spec {name!r}: unknown estimator {estimator!r}; expected one of "
+                f"{', '.join(estimators)}"
+            )
         for k in ks:
             for extra in extras:
                 for budget in [None, *budgets] if "budget" in params else [None]:

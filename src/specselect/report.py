@@ -54,6 +54,8 @@ class ResultRow:
         totals: the run's totals (``seconds`` modelled in replay, measured in live runs).
         goodput_kind: ``"modelled"`` or ``"measured"``.
         params: the selector's constructor arguments (JSON-compatible).
+        calibration: reliability-diagram bins of the scores the selector ranked, as
+            ``{"predicted", "observed", "tokens"}`` (see ``ReplayResult.calibration``).
     """
 
     selector: str
@@ -63,6 +65,7 @@ class ResultRow:
     totals: Totals
     goodput_kind: str = "modelled"
     params: dict[str, Any] = field(default_factory=dict)
+    calibration: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -205,6 +208,7 @@ def results_json(rows: Sequence[ResultRow], meta: dict[str, Any]) -> dict[str, A
                 "goodput_kind": row.goodput_kind,
                 "metrics": row.totals.as_dict(),
                 "relative_to_fixed": relative_to_baseline(row, rows),
+                "calibration": row.calibration,
             }
             for row in _ordered(rows)
         ],
@@ -303,6 +307,18 @@ def markdown_report(
         markdown_table(rows),
         "",
     ]
+    reliability = reliability_lines(rows)
+    if reliability:
+        parts += [
+            "## Reliability of the ranked scores",
+            "",
+            "Predicted acceptance (the score TETRIS ranks, per token, given its predecessors were "
+            "accepted) against the observed acceptance of the tokens the target tested; ECE is "
+            "the token-weighted mean gap.",
+            "",
+            *reliability,
+            "",
+        ]
     if plots:
         parts += ["## Plots", ""]
         parts += [f"![{Path(p).stem}]({p})" for p in plots]
@@ -419,6 +435,72 @@ def plot_vsr_vs_extra(rows: Sequence[ResultRow], path: str | Path) -> Path:
     return _finish(fig, axes, Path(path))
 
 
+def calibration_error(bins: Sequence[dict[str, float]]) -> float:
+    """Expected calibration error: token-weighted mean |predicted - observed| over the bins."""
+    tokens = sum(b["tokens"] for b in bins)
+    return sum(b["tokens"] * abs(b["predicted"] - b["observed"]) for b in bins) / tokens
+
+
+def _reliability_rows(rows: Sequence[ResultRow]) -> list[ResultRow]:
+    """One row per ranking selector (TETRIS variants), at its largest ``k`` and ``extra``."""
+    best: dict[str, ResultRow] = {}
+    for row in rows:
+        if row.calibration and row.selector.startswith("tetris") and row.budget is None:
+            key = (row.k, row.extra or 0)
+            if row.selector not in best or key > (
+                best[row.selector].k,
+                best[row.selector].extra or 0,
+            ):
+                best[row.selector] = row
+    return [best[name] for name in sorted(best)]
+
+
+def plot_reliability(rows: Sequence[ResultRow], path: str | Path) -> Path:
+    """Reliability diagram: predicted vs observed acceptance of the tokens the target tested.
+
+    A point on the diagonal means the selector's scores are calibrated acceptance
+    probabilities; TETRIS's ranking is only as good as that.
+    """
+    fig, axes = _new_figure(1)
+    ax = axes[0]
+    chosen = _reliability_rows(rows)
+    names = [r.selector for r in chosen]
+    for row in chosen:
+        xs = [b["predicted"] for b in row.calibration]
+        ys = [b["observed"] for b in row.calibration]
+        label = f"{row.selector} (ECE {calibration_error(row.calibration):.2f})"
+        ax.plot(xs, ys, label=label, **{**_style(row.selector, names), "marker": "o"})
+    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("predicted acceptance (score of the token)")
+    ax.set_ylabel("observed acceptance")
+    ax.set_title("reliability of the ranked scores")
+    ax.grid(alpha=0.3)
+    return _finish(fig, axes, Path(path))
+
+
+def reliability_lines(rows: Sequence[ResultRow]) -> list[str]:
+    """Markdown table of each ranking selector's calibration error and bins."""
+    chosen = _reliability_rows(rows)
+    if not chosen:
+        return []
+    lines = [
+        "| selector | k | extra | ECE | predicted → observed (tokens) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in chosen:
+        cells = ", ".join(
+            f"{b['predicted']:.2f}→{b['observed']:.2f} ({int(b['tokens'])})"
+            for b in row.calibration
+        )
+        lines.append(
+            f"| {row.selector} | {row.k} | {_opt(row.extra)} | "
+            f"{calibration_error(row.calibration):.3f} | {cells} |"
+        )
+    return lines
+
+
 def write_report(
     rows: Sequence[ResultRow],
     out_dir: str | Path,
@@ -428,7 +510,8 @@ def write_report(
 ) -> dict[str, Path]:
     """Write ``results.json``, ``report.md`` and (optionally) the two PNG plots to ``out_dir``.
 
-    Returns the written paths by kind (``json``, ``markdown``, ``tokens_plot``, ``vsr_plot``).
+    Returns the written paths by kind (``json``, ``markdown``, ``tokens_plot``, ``vsr_plot``,
+    and ``reliability_plot`` when a ranking selector reported calibration bins).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -436,6 +519,8 @@ def write_report(
     if plots:
         written["tokens_plot"] = plot_tokens_vs_budget(rows, out / "tokens_per_step_vs_budget.png")
         written["vsr_plot"] = plot_vsr_vs_extra(rows, out / "vsr_vs_extra.png")
+        if _reliability_rows(rows):
+            written["reliability_plot"] = plot_reliability(rows, out / "reliability.png")
     json_path = out / "results.json"
     json_path.write_text(json.dumps(results_json(rows, meta), indent=2, default=_json_default))
     written["json"] = json_path

@@ -360,6 +360,13 @@ class Selector(abc.ABC):
         if self.estimator is not None:
             self.estimator.reset_rows(rows)
 
+    @property
+    def last_scores(self) -> Tensor | None:
+        """``[B, K]`` the log-scores the last :meth:`select` ranked: the estimator's estimates
+        of the acceptance log-probabilities, or the draft log-probs without an estimator."""
+        last = getattr(self, "_last_inputs", None)
+        return None if last is None else last[1]
+
     def _follow_requests(self, request_ids: Tensor) -> None:
         previous = getattr(self, "_request_ids", None)
         if previous is not None and previous.shape == request_ids.shape:

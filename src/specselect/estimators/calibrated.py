@@ -24,9 +24,10 @@ class CalibratedDraft(AcceptanceEstimator):
     share the last position bucket. Each (position, bin) cell keeps exponentially decayed counts of
     tested and accepted tokens; its estimate is the accepted fraction, shrunk towards the bin's
     own ``q`` by ``prior`` pseudo-observations, so that it starts as the raw draft probability and
-    moves to the observed rate as evidence arrives. A running maximum over bins keeps the
-    estimate non-decreasing in ``q``: a more confident token is never ranked below a less
-    confident one at the same position.
+    moves to the observed rate as evidence arrives. The estimate is deliberately *not* forced to
+    increase with ``q``: on the shipped pair acceptance is not monotone in the draft's
+    confidence (tokens drafted at q ~ 0.05 are accepted more often than tokens at q ~ 0.15), and
+    an isotonic fit measured a calibration error of 0.23 against 0.08 for plain bins.
 
     Args:
         bins: number of probability bins.
@@ -67,12 +68,12 @@ class CalibratedDraft(AcceptanceEstimator):
         return self._hits, self._trials
 
     def table(self, device: torch.device | str = "cpu") -> Tensor:
-        """``[positions, bins]`` current estimates (monotone in the bin)."""
+        """``[positions, bins]`` current estimates."""
         hits, trials = self._state(torch.device(device))
         centers = (torch.arange(self.bins, device=hits.device) + 0.5) / self.bins  # [bins]
         prior = centers.repeat(self.positions)  # [P * bins]
         rate = (hits + self.prior * prior) / (trials + self.prior)
-        return torch.cummax(rate.view(self.positions, self.bins), dim=1).values
+        return rate.view(self.positions, self.bins)
 
     def probabilities(self, draft_logprobs: Tensor) -> Tensor:
         """``[B, K]`` calibrated acceptance probabilities (for other estimators to build on)."""
