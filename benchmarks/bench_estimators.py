@@ -8,6 +8,10 @@ plus the share of the fixed-to-oracle gap each variant closes.
 
     python benchmarks/bench_estimators.py                # shipped pair, 40 prompts, 64 tokens
     python benchmarks/bench_estimators.py --traces t.pt  # reuse (or save) recorded traces
+    python benchmarks/bench_estimators.py --live-sampling  # plus live runs at temperature 1
+
+Live sampling runs ``speculative_generate`` (temperature 1, the loop feeds selectors causal
+scores) over the same prompts in static batches and reports VSR and tokens per step.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--extra", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--live-sampling", action="store_true", help="also run live sampling")
+    parser.add_argument("--batch", type=int, default=20, help="live batch size")
     args = parser.parse_args()
     torch.set_num_threads(1)
     traces = shipped_traces(args.max_new_tokens, max(args.k) + max(args.extra), args.traces)
@@ -86,6 +92,52 @@ def main() -> None:
     for name in VARIANTS:
         share = sum(closed[name]) / len(closed[name])
         print(f"| {name} | {wins[name]}/{configs} | {share:+.1%} |")
+    if args.live_sampling:
+        live_sampling(args)
+
+
+def live_sampling(args: argparse.Namespace) -> None:
+    """VSR and tokens per step of live sampled generation (temperature 1) per selector."""
+    from specselect import speculative_generate
+    from specselect.metrics import Totals
+    from specselect.models import load_prompts, load_tiny_pair
+
+    target, draft, tokenizer = load_tiny_pair()
+    texts = [p["text"] for p in load_prompts()]
+    print()
+    print("| selector | k | extra | tokens/step | VSR | verified/request-step |")
+    print("|---|---|---|---|---|---|")
+    for k in args.k:
+        for name, make in (
+            ("fixed", lambda k=k: FixedWindowSelector(k)),
+            ("paper", lambda k=k: TetrisSelector(k, 2, estimator=None, guard=False)),
+            ("history+guard (default)", lambda k=k: TetrisSelector(k, 2)),
+        ):
+            steps = []
+            for start in range(0, len(texts), args.batch):
+                batch = tokenizer(
+                    texts[start : start + args.batch], return_tensors="pt", padding=True
+                )
+                out = speculative_generate(
+                    target,
+                    draft,
+                    batch.input_ids,
+                    batch.attention_mask,
+                    selector=make(),
+                    max_new_tokens=args.max_new_tokens,
+                    do_sample=True,
+                    temperature=1.0,
+                    eos_token_id=[],
+                    generator=torch.Generator().manual_seed(start),
+                )
+                steps += out.stats.steps
+            totals = Totals.of(steps)
+            extra = "-" if name == "fixed" else "2"
+            print(
+                f"| {name} | {k} | {extra} | {totals.tokens_per_step:.3f} | {totals.vsr:.3f} | "
+                f"{totals.verified_per_request_step:.3f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
