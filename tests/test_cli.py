@@ -9,7 +9,6 @@ import os
 import string
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,19 +28,6 @@ PROMPTS = [
     "import os, sys",
     "# a comment about nothing",
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Run this module's tiny models on one intra-op thread.
-
-    They gain nothing from threads, and on a busy machine the threads' synchronisation costs far
-    more than the work: the live loop measured 20-50x slower with 2 threads under load.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def save_char_tokenizer(directory: Path) -> int:

@@ -19,16 +19,6 @@ import specselect.models as models
 from specselect.models import TINY_PAIR_DIR, load_prompts, load_tiny_pair
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: on a busy 2-core machine two threads made these forwards 5-20x
-    slower (threads spin waiting for each other); one thread is fast enough for tiny models."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def card() -> dict:
     return json.loads((TINY_PAIR_DIR / "card.json").read_text(encoding="utf-8"))

@@ -12,7 +12,7 @@ product of the shown probabilities of a prefix is the chance it is accepted.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -110,19 +110,6 @@ def mixed_confidence(n: int, total: int, seed: int) -> Tensor:
     base = torch.where(easy, 0.9, 0.3)
     noise = 0.08 * torch.randn(n, total, generator=g)
     return (base + noise).clamp(0.02, 0.99)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Run this module's tiny models on one intra-op thread.
-
-    They gain nothing from threads, and on a busy machine the threads' synchronisation costs far
-    more than the work: the live loop measured 20-50x slower with 2 threads under load.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
