@@ -15,7 +15,9 @@ from specselect.estimators import (
     RankingGuard,
     RequestHistory,
     observed_outcomes,
+    tree_outcomes,
 )
+from specselect.tree import chain_parents
 
 ROWS, WIDTH = 32, 6
 
@@ -210,3 +212,45 @@ def test_request_ids_reset_the_slots_that_change_hands() -> None:
 def test_unknown_estimator_name_is_rejected() -> None:
     with pytest.raises(ValueError, match="estimator must be"):
         TetrisSelector(k=2, estimator="oracle")
+
+
+def test_tree_outcomes_follow_the_accepted_path() -> None:
+    # root -> {0, 1}; 0 -> {2, 3}; 1 -> {4}; accepted path: 0 -> 3
+    parents = torch.tensor([[-1, -1, 0, 0, 1]])
+    selected = torch.tensor([[True, True, True, True, True]])
+    accepted = torch.tensor([[True, False, False, True, False]])
+    tested, passed = tree_outcomes(selected, parents, accepted)
+    # node 1 comes after the accepted sibling 0: never tried; node 4's parent was not accepted
+    assert tested.tolist() == [[True, False, True, True, False]]
+    assert passed.tolist() == [[True, False, False, True, False]]
+
+
+def test_estimators_on_chain_shaped_trees_match_the_flat_path() -> None:
+    """A chain is the tree parents[j] = j - 1: same estimates, outcomes and selections."""
+    flat, tree = TetrisSelector(k=2, extra=2), TetrisSelector(k=2, extra=2)
+    parents = chain_parents(ROWS, 4)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(40):
+        logprobs = torch.rand(ROWS, 4, generator=gen).clamp(min=1e-3).log()
+        a = flat.select(logprobs)
+        b = tree.select(logprobs, parents=parents)
+        assert torch.equal(a.mask, b.mask)
+        accept = torch.rand(ROWS, 4, generator=gen) < under_confident(logprobs.exp(), None)
+        num_accepted = torch.minimum(accept.to(torch.int64).cumprod(1).sum(1), a.lengths)
+        flat.update(a, num_accepted)
+        path = torch.arange(4) < num_accepted.unsqueeze(1)
+        tree.update(b, num_accepted, accepted_nodes=path)
+    assert torch.allclose(flat.estimator._weights, tree.estimator._weights)
+
+
+def test_tree_update_needs_the_accepted_path() -> None:
+    selector = TetrisSelector(k=1, extra=1)
+    parents = torch.tensor([[-1, -1, 0]])
+    selection = selector.select(torch.full((1, 3), -0.5), parents=parents)
+    with pytest.raises(ValueError, match="accepted_nodes"):
+        selector.update(selection, torch.tensor([1]))
+    with pytest.raises(ValueError, match="accepted_nodes must be a bool tensor"):
+        selector.update(selection, torch.tensor([1]), accepted_nodes=torch.ones(1, 2))
+    selector.update(
+        selection, torch.tensor([1]), accepted_nodes=torch.tensor([[True, False, False]])
+    )

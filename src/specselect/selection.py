@@ -33,6 +33,16 @@ NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True)
+class _LastSelect:
+    """What the last ``select`` saw, kept for ``update``."""
+
+    logprobs: Tensor  # [B, K] the draft log-probs
+    scores: Tensor  # [B, K] what was ranked (estimates, or the log-probs)
+    parents: Tensor | None  # [B, N] for a tree selection
+    positions: Tensor | None  # [B, N] depth - 1 of each node, for a tree selection
+
+
+@dataclass(frozen=True)
 class Selection:
     """Which drafted tokens to verify.
 
@@ -252,6 +262,45 @@ def _cheapest_mask_float64(costs: Tensor, budget: int) -> Tensor:
     return below | (tied & (rank <= remaining))
 
 
+def observed_outcomes(
+    lengths: Tensor,  # [B] int64 selected tokens per row
+    num_accepted: Tensor,  # [B] int accepted tokens per row
+    width: int,
+) -> tuple[Tensor, Tensor]:  # ([B, K] bool, [B, K] bool)
+    """Which draft positions were tested by the target this step, and which passed.
+
+    Position ``j`` of row ``i`` is *tested* if it was selected and everything before it was
+    accepted (``j <= num_accepted[i] < lengths[i]``, or ``j < lengths[i]`` when all passed). It
+    *passed* if ``j < num_accepted[i]``. Positions after the first rejection say nothing about
+    acceptance given an accepted prefix, so they are not observations.
+    """
+    positions = torch.arange(width, device=lengths.device).unsqueeze(0)  # [1, K]
+    accepted = num_accepted.to(torch.int64).unsqueeze(1)  # [B, 1]
+    tested = (positions <= accepted) & (positions < lengths.unsqueeze(1))
+    return tested, positions < accepted
+
+
+def tree_outcomes(
+    selected: Tensor,  # [B, N] bool, closed under ancestors
+    parents: Tensor,  # [B, N] int64, -1 = child of the root
+    accepted: Tensor,  # [B, N] bool, the accepted root-to-node path
+) -> tuple[Tensor, Tensor]:  # ([B, N] bool, [B, N] bool)
+    """Which draft-tree nodes the target tested this step, and which passed.
+
+    A selected node was tested if its parent is the root or on the accepted path, and no
+    earlier sibling was accepted (verification tries siblings in index order and stops at the
+    first accepted one). It passed if it is on the accepted path.
+    """
+    has_parent = parents >= 0
+    parent_on_path = accepted.gather(1, parents.clamp(min=0)) & has_parent
+    nodes = parents.shape[1]
+    earlier = torch.ones(nodes, nodes, dtype=torch.bool, device=parents.device).tril(-1)
+    siblings = (parents.unsqueeze(2) == parents.unsqueeze(1)) & earlier  # [B, N, N]
+    beaten = (siblings & accepted.unsqueeze(1)).any(dim=2)  # an earlier sibling was accepted
+    tested = selected & (~has_parent | parent_on_path) & ~beaten
+    return tested, accepted & tested
+
+
 class Selector(abc.ABC):
     """Base class of every selector.
 
@@ -305,22 +354,25 @@ class Selector(abc.ABC):
             self._follow_requests(
                 check_row_ints("request_ids", request_ids, rows, draft_logprobs.device)
             )
+        if parents is not None:
+            if not self.supports_trees:
+                raise TypeError(
+                    f"{type(self).__name__} does not select draft-tree nodes (parents=...); "
+                    "use a selector with supports_trees, e.g. 'tetris' or 'fixed'"
+                )
+            from specselect.tree import check_parents, path_sums  # tree imports nothing here
+
+            parents = check_parents(parents, rows=rows, width=width)
+            positions = path_sums(torch.ones_like(draft_logprobs), parents).to(torch.int64) - 1
         scores = draft_logprobs
         if self.estimator is not None:
-            scores = self.estimator.estimate(draft_logprobs)
-        self._last_inputs = (draft_logprobs, scores)
+            scores = self.estimator.estimate(draft_logprobs, None if parents is None else positions)
+        self._last = _LastSelect(
+            draft_logprobs, scores, parents, None if parents is None else positions
+        )
         if parents is None:
             return self._select(scores, active)
-        if not self.supports_trees:
-            raise TypeError(
-                f"{type(self).__name__} does not select draft-tree nodes (parents=...); "
-                "use a selector with supports_trees, e.g. 'tetris' or 'fixed'"
-            )
-        from specselect.tree import check_parents  # tree imports nothing from here
-
-        if self.estimator is not None:
-            raise NotImplementedError("acceptance estimators do not support draft trees yet")
-        return self._select_tree(scores, active, check_parents(parents, rows=rows, width=width))
+        return self._select_tree(scores, active, parents)
 
     @abc.abstractmethod
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
@@ -332,19 +384,49 @@ class Selector(abc.ABC):
         """Tree selection (``[B, N]`` node log-probs and parents); only if ``supports_trees``."""
         raise NotImplementedError
 
-    def update(self, selection: Selection, num_accepted: Tensor) -> None:
+    def update(
+        self,
+        selection: Selection,
+        num_accepted: Tensor,
+        *,
+        accepted_nodes: Tensor | None = None,
+    ) -> None:
         """Feedback after verification: ``num_accepted`` ``[B]`` accepted draft tokens per row.
 
-        The acceptance estimator, if any, learns from it; adaptive selectors override
+        After a tree selection, also pass ``accepted_nodes`` (``[B, N]`` bool, the accepted
+        root-to-node path) so that estimators know which nodes passed. The acceptance
+        estimator, if any, learns from the outcomes; adaptive selectors override
         :meth:`_update`.
         """
         check_counts(
             "num_accepted", num_accepted, selection.lengths.shape[0], selection.lengths.device
         )
-        last = getattr(self, "_last_inputs", None)
+        if accepted_nodes is not None:
+            check_tensor("accepted_nodes", accepted_nodes, rank=2)
+            if accepted_nodes.dtype != torch.bool or accepted_nodes.shape != selection.mask.shape:
+                raise ValueError(
+                    f"accepted_nodes must be a bool tensor of shape {tuple(selection.mask.shape)}"
+                )
+        self._accepted_nodes = accepted_nodes
+        last = getattr(self, "_last", None)
         if self.estimator is not None and last is not None:
-            self.estimator.observe(last[0], selection, num_accepted)
+            tested, passed = self.outcomes(selection, num_accepted)
+            self.estimator.learn(last.logprobs, tested, passed, last.positions)
         self._update(selection, num_accepted)
+
+    def outcomes(self, selection: Selection, num_accepted: Tensor) -> tuple[Tensor, Tensor]:
+        """``([B, K] tested, [B, K] passed)`` of the last step (see :func:`observed_outcomes`
+        and :func:`tree_outcomes`)."""
+        last = getattr(self, "_last", None)
+        if last is None or last.parents is None:
+            return observed_outcomes(selection.lengths, num_accepted, selection.mask.shape[1])
+        accepted = getattr(self, "_accepted_nodes", None)
+        if accepted is None:
+            raise ValueError(
+                f"{type(self).__name__} learns from its outcomes: after a tree selection, call "
+                "update(selection, num_accepted, accepted_nodes=...) with the accepted path"
+            )
+        return tree_outcomes(selection.mask, last.parents, accepted)
 
     def _update(self, selection: Selection, num_accepted: Tensor) -> None:  # noqa: B027
         """Adaptive selectors override this; the default keeps no state."""
@@ -364,8 +446,8 @@ class Selector(abc.ABC):
     def last_scores(self) -> Tensor | None:
         """``[B, K]`` the log-scores the last :meth:`select` ranked: the estimator's estimates
         of the acceptance log-probabilities, or the draft log-probs without an estimator."""
-        last = getattr(self, "_last_inputs", None)
-        return None if last is None else last[1]
+        last = getattr(self, "_last", None)
+        return None if last is None else last.scores
 
     def _follow_requests(self, request_ids: Tensor) -> None:
         previous = getattr(self, "_request_ids", None)

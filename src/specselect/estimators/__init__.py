@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from specselect.estimators.base import AcceptanceEstimator, DraftProbability, observed_outcomes
+from specselect.estimators.base import AcceptanceEstimator, DraftProbability
 from specselect.estimators.calibrated import CalibratedDraft
 from specselect.estimators.guard import RankingGuard
 from specselect.estimators.history import RequestHistory
+from specselect.selection import observed_outcomes, tree_outcomes
 
 ESTIMATORS: dict[str, type[AcceptanceEstimator]] = {
     DraftProbability.name: DraftProbability,
@@ -35,4 +36,5 @@ __all__ = [
     "RequestHistory",
     "make_estimator",
     "observed_outcomes",
+    "tree_outcomes",
 ]

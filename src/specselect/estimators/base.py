@@ -20,50 +20,51 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_tensor
-from specselect.selection import Selection
+from specselect.selection import Selection, observed_outcomes
 
 EPS = 1e-4  # estimates are kept in [EPS, 1 - EPS]: log(0) would forbid a token forever
 
 
-def observed_outcomes(
-    lengths: Tensor,  # [B] int64 selected tokens per row
-    num_accepted: Tensor,  # [B] int accepted tokens per row
-    width: int,
-) -> tuple[Tensor, Tensor]:  # ([B, K] bool, [B, K] bool)
-    """Which draft positions were tested by the target this step, and which passed.
-
-    Position ``j`` of row ``i`` is *tested* if it was selected and everything before it was
-    accepted (``j <= num_accepted[i] < lengths[i]``, or ``j < lengths[i]`` when all passed). It
-    *passed* if ``j < num_accepted[i]``. Positions after the first rejection say nothing about
-    acceptance given an accepted prefix, so they are not observations.
-    """
-    positions = torch.arange(width, device=lengths.device).unsqueeze(0)  # [1, K]
-    accepted = num_accepted.to(torch.int64).unsqueeze(1)  # [B, 1]
-    tested = (positions <= accepted) & (positions < lengths.unsqueeze(1))
-    return tested, positions < accepted
+def default_positions(draft_logprobs: Tensor, positions: Tensor | None) -> Tensor:
+    """``[B, K]`` 0-based position of each token: its column in a chain, ``depth - 1`` in a tree."""
+    if positions is not None:
+        return positions
+    width = draft_logprobs.shape[1]
+    return torch.arange(width, device=draft_logprobs.device).expand(draft_logprobs.shape)
 
 
 class AcceptanceEstimator(abc.ABC):
-    """Estimates ``log P(token j accepted | tokens < j accepted)`` for each draft token."""
+    """Estimates ``log P(token j accepted | tokens < j accepted)`` for each draft token.
+
+    ``positions`` (``[B, K]`` int64, optional) is each token's 0-based position along its
+    chain: its column for chains (the default), ``depth - 1`` for draft-tree nodes.
+    """
 
     name: str = "estimator"
 
     @abc.abstractmethod
-    def estimate(self, draft_logprobs: Tensor) -> Tensor:
+    def estimate(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
         """``[B, K]`` draft log-probs → ``[B, K]`` estimated log acceptance probabilities.
 
         ``-inf`` inputs stay ``-inf`` (never selectable); everything else is finite and <= 0.
         """
 
     def observe(self, draft_logprobs: Tensor, selection: Selection, num_accepted: Tensor) -> None:
-        """Learn from one step: the draft log-probs it estimated, what was selected, and the
-        accepted counts ``[B]``."""
+        """Learn from one chain step: its draft log-probs, the selection and the accepted
+        counts ``[B]``."""
         tested, passed = observed_outcomes(selection.lengths, num_accepted, draft_logprobs.shape[1])
-        self._learn(draft_logprobs, tested, passed)
+        self.learn(draft_logprobs, tested, passed)
 
     @abc.abstractmethod
-    def _learn(self, draft_logprobs: Tensor, tested: Tensor, passed: Tensor) -> None:
-        """Update from ``[B, K]`` log-probs and ``[B, K]`` bool tested / passed masks."""
+    def learn(
+        self,
+        draft_logprobs: Tensor,
+        tested: Tensor,
+        passed: Tensor,
+        positions: Tensor | None = None,
+    ) -> None:
+        """Update from ``[B, K]`` log-probs and ``[B, K]`` bool tested / passed masks
+        (:func:`observed_outcomes` for chains, :func:`tree_outcomes` for trees)."""
 
     def reset(self) -> None:  # noqa: B027
         """Forget everything learned (a new generation)."""
@@ -77,10 +78,16 @@ class DraftProbability(AcceptanceEstimator):
 
     name = "draft"
 
-    def estimate(self, draft_logprobs: Tensor) -> Tensor:
+    def estimate(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
         return draft_logprobs
 
-    def _learn(self, draft_logprobs: Tensor, tested: Tensor, passed: Tensor) -> None:
+    def learn(
+        self,
+        draft_logprobs: Tensor,
+        tested: Tensor,
+        passed: Tensor,
+        positions: Tensor | None = None,
+    ) -> None:
         pass
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int
-from specselect.estimators.base import AcceptanceEstimator, clamp_log
+from specselect.estimators.base import AcceptanceEstimator, clamp_log, default_positions
 
 
 def _check_unit(name: str, value: float, *, closed_low: bool) -> float:
@@ -53,12 +53,12 @@ class CalibratedDraft(AcceptanceEstimator):
         self._hits: Tensor | None = None  # [P, bins] decayed accepted counts
         self._trials: Tensor | None = None  # [P, bins] decayed tested counts
 
-    def _cells(self, draft_logprobs: Tensor) -> Tensor:  # [B, K] -> [B, K] flat cell index
-        width = draft_logprobs.shape[1]
-        position = torch.arange(width, device=draft_logprobs.device).clamp(max=self.positions - 1)
+    def _cells(self, draft_logprobs: Tensor, positions: Tensor | None) -> Tensor:  # -> [B, K]
+        """Flat (position bucket, probability bin) cell of each token."""
+        position = default_positions(draft_logprobs, positions).clamp(max=self.positions - 1)
         q = draft_logprobs.exp().nan_to_num(0.0)
         column = (q * self.bins).to(torch.int64).clamp(0, self.bins - 1)
-        return position.unsqueeze(0) * self.bins + column
+        return position * self.bins + column
 
     def _state(self, device: torch.device) -> tuple[Tensor, Tensor]:
         if self._hits is None or self._trials is None or self._hits.device != device:
@@ -75,17 +75,23 @@ class CalibratedDraft(AcceptanceEstimator):
         rate = (hits + self.prior * prior) / (trials + self.prior)
         return rate.view(self.positions, self.bins)
 
-    def probabilities(self, draft_logprobs: Tensor) -> Tensor:
+    def probabilities(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
         """``[B, K]`` calibrated acceptance probabilities (for other estimators to build on)."""
         table = self.table(draft_logprobs.device).reshape(-1)
-        return table[self._cells(draft_logprobs)]
+        return table[self._cells(draft_logprobs, positions)]
 
-    def estimate(self, draft_logprobs: Tensor) -> Tensor:
+    def estimate(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
         finite = draft_logprobs > float("-inf")
-        return clamp_log(self.probabilities(draft_logprobs), finite)
+        return clamp_log(self.probabilities(draft_logprobs, positions), finite)
 
-    def _learn(self, draft_logprobs: Tensor, tested: Tensor, passed: Tensor) -> None:
+    def learn(
+        self,
+        draft_logprobs: Tensor,
+        tested: Tensor,
+        passed: Tensor,
+        positions: Tensor | None = None,
+    ) -> None:
         hits, trials = self._state(draft_logprobs.device)
-        cells = self._cells(draft_logprobs).reshape(-1)
+        cells = self._cells(draft_logprobs, positions).reshape(-1)
         hits.mul_(self.decay).index_add_(0, cells, (tested & passed).reshape(-1).to(hits.dtype))
         trials.mul_(self.decay).index_add_(0, cells, tested.reshape(-1).to(trials.dtype))

@@ -7,7 +7,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from specselect.estimators.base import EPS, AcceptanceEstimator, check_rows, clamp_log
+from specselect.estimators.base import (
+    EPS,
+    AcceptanceEstimator,
+    check_rows,
+    clamp_log,
+    default_positions,
+)
 from specselect.estimators.calibrated import CalibratedDraft, _check_unit
 
 
@@ -89,33 +95,40 @@ class RequestHistory(AcceptanceEstimator):
             self._trials = torch.zeros(batch, scales, device=device)
         return self._weights, self._hits, self._trials, self._batch_rate
 
-    def _features(self, draft_logprobs: Tensor) -> Tensor:  # [B, K] -> [B, K, F]
+    def _features(self, draft_logprobs: Tensor, positions: Tensor | None) -> Tensor:
+        """``[B, K, F]`` features of each token (see the class docstring)."""
         _, hits, trials, batch_rate = self._state(draft_logprobs.shape[0], draft_logprobs.device)
-        calibrated = self.calibration.probabilities(draft_logprobs)  # [B, K]
+        calibrated = self.calibration.probabilities(draft_logprobs, positions)  # [B, K]
         rates = (hits + self.strength * batch_rate) / (trials + self.strength)  # [B, S]
         rows, width = calibrated.shape
         history = _logit(rates).unsqueeze(1).expand(rows, width, -1)  # [B, K, S]
-        position = torch.arange(width, device=draft_logprobs.device, dtype=torch.float32) / 8
+        position = default_positions(draft_logprobs, positions).to(torch.float32) / 8
         return torch.cat(
             [
                 torch.ones_like(calibrated).unsqueeze(2),
                 _logit(calibrated).unsqueeze(2),
                 history,
-                position.expand(rows, width).unsqueeze(2),
+                position.unsqueeze(2),
             ],
             dim=2,
         )
 
-    def estimate(self, draft_logprobs: Tensor) -> Tensor:
+    def estimate(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
         weights = self._state(draft_logprobs.shape[0], draft_logprobs.device)[0]
-        p = torch.sigmoid(self._features(draft_logprobs) @ weights)
+        p = torch.sigmoid(self._features(draft_logprobs, positions) @ weights)
         return clamp_log(p, draft_logprobs > float("-inf"))
 
-    def _learn(self, draft_logprobs: Tensor, tested: Tensor, passed: Tensor) -> None:
+    def learn(
+        self,
+        draft_logprobs: Tensor,
+        tested: Tensor,
+        passed: Tensor,
+        positions: Tensor | None = None,
+    ) -> None:
         weights, hits, trials, batch_rate = self._state(
             draft_logprobs.shape[0], draft_logprobs.device
         )
-        features = self._features(draft_logprobs)  # [B, K, F]
+        features = self._features(draft_logprobs, positions)  # [B, K, F]
         p = torch.sigmoid(features @ weights)  # [B, K]
         error = (p - passed.to(p.dtype)) * tested.to(p.dtype)  # [B, K]
         count = tested.sum().clamp(min=1).to(p.dtype)
@@ -129,4 +142,4 @@ class RequestHistory(AcceptanceEstimator):
         observed = step_hits.sum() / step_trials.sum().clamp(min=1)
         any_tested = step_trials.sum() > 0
         self._batch_rate = torch.where(any_tested, 0.95 * batch_rate + 0.05 * observed, batch_rate)
-        self.calibration._learn(draft_logprobs, tested, passed)
+        self.calibration.learn(draft_logprobs, tested, passed, positions)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -10,18 +12,16 @@ from specselect.estimators import (
     AcceptanceEstimator,
     RankingGuard,
     make_estimator,
-    observed_outcomes,
 )
 from specselect.selection import (
     NEG_INF,
     Selection,
     Selector,
-    available_lengths,
     cached_constant,
     chain_scores,
     cheapest_mask,
-    mask_inactive,
 )
+from specselect.selectors.fixed import FixedWindowSelector
 from specselect.tree import path_sums
 
 
@@ -73,6 +73,7 @@ class TetrisSelector(Selector):
         self.budget = None if budget is None else check_int("budget", budget)
         self.estimator = make_estimator(estimator)
         self.guard = RankingGuard() if guard is True else (guard or None)
+        self._fallback = FixedWindowSelector(self.k)
         self.reset()
 
     def reset(self) -> None:
@@ -88,16 +89,23 @@ class TetrisSelector(Selector):
         # Work with costs (|cumulative log q|, >= +0): abs also turns a -0.0 into +0.0, which is
         # what lets ``cheapest_mask`` skip its sign handling.
         mask = self._best(chain_scores(draft_logprobs).abs_(), active)
-        if self.guard is not None:
-            fixed = available_lengths(draft_logprobs).clamp(max=self.k)
-            fallback = Selection.from_lengths(mask_inactive(fixed, active), mask.shape[1]).mask
-            mask = torch.where(self.guard.trusted(mask.device), mask, fallback)
-        return Selection(lengths=mask.sum(dim=1), mask=mask)
+        return self._guarded(mask, lambda: self._fallback._select(draft_logprobs, active))
 
     def _select_tree(
         self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor
     ) -> Selection:
         mask = self._best(path_sums(draft_logprobs, parents).abs_(), active)
+        return self._guarded(
+            mask, lambda: self._fallback._select_tree(draft_logprobs, active, parents)
+        )
+
+    def _guarded(self, mask: Tensor, fallback: Callable[[], Selection]) -> Selection:
+        """``mask`` (``[B, K]``), or standard SD's selection while the guard distrusts the scores.
+
+        Both are computed and one is picked on the device: no sync, static shapes.
+        """
+        if self.guard is not None:
+            mask = torch.where(self.guard.trusted(mask.device), mask, fallback().mask)
         return Selection(lengths=mask.sum(dim=1), mask=mask)
 
     def _best(self, costs: Tensor, active: Tensor | None) -> Tensor:
@@ -110,11 +118,8 @@ class TetrisSelector(Selector):
         return cheapest_mask(costs, budget, nonnegative=True, keep=active)
 
     def _update(self, selection: Selection, num_accepted: Tensor) -> None:
-        if self.guard is not None:
-            scores = self._last_inputs[1]
-            self.guard.observe(
-                scores, *observed_outcomes(selection.lengths, num_accepted, scores.shape[1])
-            )
+        if self.guard is not None and self.last_scores is not None:
+            self.guard.observe(self.last_scores, *self.outcomes(selection, num_accepted))
 
 
 def _absorb_inactive(costs: Tensor, active: Tensor, pad: int) -> Tensor:
