@@ -57,9 +57,7 @@ class RankingGuard:
         below = torch.cumsum(hist_fail, 0) - hist_fail  # failing estimates in lower bins
         wins = (hist_pass * (below + 0.5 * hist_fail)).sum()
         pairs = hist_pass.sum() * hist_fail.sum()
-        return torch.where(
-            pairs > 0, wins / pairs.clamp(min=1e-12), torch.tensor(0.5, device=pairs.device)
-        )
+        return torch.where(pairs > 0, wins / pairs.clamp(min=1e-12), 0.5)
 
     def trusted(self, device: torch.device | str = "cpu") -> Tensor:
         """0-dim bool: enough observations and AUC >= ``min_auc``."""

@@ -90,6 +90,7 @@ class RequestHistory(AcceptanceEstimator):
             history = [self.history_weight] * scales
             self._weights = torch.tensor([0.0, 1.0, *history, 0.0], device=device)
             self._batch_rate = torch.tensor(0.7, device=device)
+            self._decays = torch.tensor(self.request_decays, device=device)  # [S], made once
         if self._hits is None or self._trials is None or self._hits.shape[0] != batch:
             self._hits = torch.zeros(batch, scales, device=device)
             self._trials = torch.zeros(batch, scales, device=device)
@@ -136,9 +137,8 @@ class RequestHistory(AcceptanceEstimator):
         self._weights = weights - self.lr * gradient
         step_hits = (tested & passed).sum(dim=1, keepdim=True).to(hits.dtype)  # [B, 1]
         step_trials = tested.sum(dim=1, keepdim=True).to(trials.dtype)
-        decays = torch.tensor(self.request_decays, device=hits.device)  # [S]
-        self._hits = decays * hits + step_hits
-        self._trials = decays * trials + step_trials
+        self._hits = self._decays * hits + step_hits
+        self._trials = self._decays * trials + step_trials
         observed = step_hits.sum() / step_trials.sum().clamp(min=1)
         any_tested = step_trials.sum() > 0
         self._batch_rate = torch.where(any_tested, 0.95 * batch_rate + 0.05 * observed, batch_rate)
