@@ -8,7 +8,11 @@ greedily and on the same left-padded prompts:
 * ``assisted`` — HF assisted generation (``assistant_model=draft``), batch 1 only, since HF
   refuses larger batches;
 * one row per registered selector — ``speculative_generate`` with that selector (window sizes
-  in ``selector_kwargs``, around ``--k``).
+  in ``selector_kwargs``, around ``--k``);
+* with ``--tree depth,branch,width``: draft trees against chains at an equal verification budget
+  of ``k`` tokens per request — TETRIS as in the paper (no estimator, no guard) on chains
+  (``extra=2``) and on trees, and the per-request best-``k`` baseline (``fixed``) on trees (its
+  chain row is the ``fixed`` selector row).
 
 Columns: median wall seconds over ``--repeats`` timed runs (after one warm-up run), new tokens
 per second (tokens are the reference's new tokens up to and including EOS, the same for every
@@ -24,6 +28,7 @@ or negative; the selector comparison is in tokens per step and VSR.
     python benchmarks/bench_generate.py
     python benchmarks/bench_generate.py --batch-sizes 1,8 --max-new-tokens 32 --repeats 1
     python benchmarks/bench_generate.py --device cuda --dtype float16 --output table.md
+    python benchmarks/bench_generate.py --batch-sizes 8,32 --selectors fixed --tree 4,2,2
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch
 from torch import Tensor
 
 from specselect import make_selector
-from specselect.hf import speculative_generate
+from specselect.hf import TreeSpec, speculative_generate
 from specselect.selectors import SELECTORS
 
 
@@ -198,45 +203,49 @@ def bench_batch(setup: Setup, device: str, batch: int, args: argparse.Namespace)
         rows.append(
             Row(device, batch, "assisted (HF)", seconds, tokens, identical_rows(out, reference))
         )
-    for name in args.selectors:
-        kwargs = selector_kwargs(name, args.k)
+    runs: list[tuple[str, str, dict[str, Any], TreeSpec | None]] = [
+        (name, name, selector_kwargs(name, args.k), None) for name in args.selectors
+    ]
+    if args.tree is not None:
+        paper = {"k": args.k, "extra": 2, "estimator": None, "guard": False}
+        tree_label = f"tree({args.tree.depth},{args.tree.branch},{args.tree.width})"
+        runs += [
+            ("tetris-paper chain", "tetris", paper, None),
+            (f"tetris-paper {tree_label}", "tetris", paper, args.tree),
+            (f"fixed(k={args.k}) {tree_label}", "fixed", {"k": args.k}, args.tree),
+        ]
+    for label, name, kwargs, tree in runs:
         selector = make_selector(name, **kwargs)
         seconds, out = timed(
-            lambda selector=selector: speculative_generate(
+            lambda selector=selector, tree=tree: speculative_generate(
                 setup.target,
                 setup.draft,
                 ids,
                 mask,
                 selector=selector,
                 pad_token_id=setup.pad,
+                tree=tree,
                 **common,
             ),
             device,
             args.repeats,
         )
-        totals = out.stats.totals
-        stats = {
-            "tokens_per_step": totals.tokens_per_step,
-            "vsr": totals.vsr,
-            "verified_per_step": totals.verified / max(totals.steps, 1),
-            **{
-                key: totals.extra[key]
-                for key in ("draft_seconds", "verify_seconds", "other_seconds")
-            },
-        }
-        label = f"{name}(" + ", ".join(f"{k}={v}" for k, v in kwargs.items()) + ")"
-        rows.append(
-            Row(
-                device,
-                batch,
-                label,
-                seconds,
-                tokens,
-                identical_rows(out.sequences, reference),
-                stats,
-            )
-        )
+        if tree is None and label == name:
+            label = f"{name}(" + ", ".join(f"{k}={v}" for k, v in kwargs.items()) + ")"
+        identical = identical_rows(out.sequences, reference)
+        rows.append(Row(device, batch, label, seconds, tokens, identical, run_stats(out)))
     return rows
+
+
+def run_stats(out: Any) -> dict[str, float]:
+    """Tokens per step, VSR, verified per step and the time split of one run."""
+    totals = out.stats.totals
+    return {
+        "tokens_per_step": totals.tokens_per_step,
+        "vsr": totals.vsr,
+        "verified_per_step": totals.verified / max(totals.steps, 1),
+        **{key: totals.extra[key] for key in ("draft_seconds", "verify_seconds", "other_seconds")},
+    }
 
 
 def markdown(rows: list[Row]) -> str:
@@ -282,7 +291,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--random-models", action="store_true", help="skip the shipped pair")
     parser.add_argument("--output", help="also write the markdown table to this file")
+    parser.add_argument(
+        "--tree",
+        help="depth,branch,width: add tree-vs-chain rows at a budget of k tokens per request",
+    )
     args = parser.parse_args(argv)
+    if args.tree is not None:
+        try:
+            args.tree = TreeSpec(*(int(v) for v in args.tree.split(",")))
+        except (TypeError, ValueError) as err:
+            parser.error(f"--tree must be depth,branch,width (three ints >= 1): {err}")
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.selectors = [s for s in args.selectors.split(",") if s]
     unknown = sorted(set(args.selectors) - set(SELECTORS))

@@ -14,17 +14,21 @@ from specselect.hf.generate import (
     SpeculativeOutput,
     speculative_generate,
 )
+from specselect.hf.tree_draft import DraftTree, TreeDrafter, TreeSpec
 
 __all__ = [
     "DEFAULT_CACHE_SLACK",
     "MASKABLE_ATTENTION",
     "ChainDrafter",
     "DraftChain",
+    "DraftTree",
     "GenerationStats",
     "ModelHandle",
     "RaggedCache",
     "SamplingParams",
     "SpeculativeOutput",
+    "TreeDrafter",
+    "TreeSpec",
     "check_causal_lm",
     "check_pair",
     "forward_block",

@@ -70,6 +70,7 @@ class RaggedCache:
         depth: Tensor | None = None,  # [B, W] int64
         block_mask: Tensor | None = None,  # [B, W, W] bool
         *,
+        past_mask: Tensor | None = None,  # [B, W, L] bool
         mask_kind: str = "sdpa",
         dtype: torch.dtype = torch.float32,
     ) -> tuple[Tensor, Tensor]:
@@ -81,6 +82,10 @@ class RaggedCache:
                 ``count + depth``. Default ``cumsum(block_valid) - 1``: valid tokens in order.
             block_mask: ``[B, W, W]`` bool, which block tokens each block token sees (itself and
                 its ancestors, for a tree). ``None`` means causal order within the block.
+            past_mask: ``[B, W, L]`` bool, which cache columns each block token may see, on top
+                of ``valid`` (needs ``block_mask``). A tree drafter needs it: the frontier nodes
+                of one level must not see the other branches' uncommitted columns of the same
+                step. ``None``: every valid column.
             mask_kind: the attention implementation; a 4D mask is bool for ``"sdpa"`` and
                 additive (0 / dtype min) for ``"eager"``.
             dtype: the model's activation dtype (for the additive mask).
@@ -94,8 +99,13 @@ class RaggedCache:
             depth = block_valid.to(torch.int64).cumsum(dim=1) - 1
         positions = torch.where(block_valid, self.count.unsqueeze(1) + depth, 0)
         if block_mask is None:
+            if past_mask is not None:
+                raise ValueError("past_mask needs a block_mask (a 4D attention mask)")
             return torch.cat([self.valid, block_valid], dim=1).to(torch.int64), positions
-        return _four_d_mask(self.valid, block_valid, block_mask, mask_kind, dtype), positions
+        past = self.valid.unsqueeze(1).expand(-1, block_valid.shape[1], -1)  # [B, W, L]
+        if past_mask is not None:
+            past = past & past_mask
+        return _four_d_mask(past, block_valid, block_mask, mask_kind, dtype), positions
 
     def extend(self, block_valid: Tensor) -> None:  # [B, W] bool
         """Record that a forward pass appended ``block_valid.shape[1]`` columns to ``kv``.
@@ -181,16 +191,23 @@ def forward_block(
     *,
     depth: Tensor | None = None,  # [B, W] int64
     block_mask: Tensor | None = None,  # [B, W, W] bool
+    past_mask: Tensor | None = None,  # [B, W, L] bool
     last_only: bool = False,
 ) -> Tensor:  # [B, W, V] (or [B, 1, V] with last_only)
     """Run ``handle``'s model on a block of new tokens appended to ``cache``; return its logits.
 
     The block's columns are appended to the cache (uncommitted, see :meth:`RaggedCache.commit`).
     ``last_only`` computes the LM head on the last column only, when the model allows it; the
-    drafter needs nothing else.
+    drafter needs nothing else. ``depth``, ``block_mask`` and ``past_mask`` are as in
+    :meth:`RaggedCache.block_inputs`.
     """
     attention_mask, position_ids = cache.block_inputs(
-        block_valid, depth, block_mask, mask_kind=handle.mask_kind, dtype=handle.dtype
+        block_valid,
+        depth,
+        block_mask,
+        past_mask=past_mask,
+        mask_kind=handle.mask_kind,
+        dtype=handle.dtype,
     )
     extra = {"logits_to_keep": 1} if last_only and handle.keeps_logits else {}
     out = handle.model(
@@ -206,20 +223,19 @@ def forward_block(
 
 
 def _four_d_mask(
-    valid: Tensor,  # [B, L] bool
+    past: Tensor,  # [B, W, L] bool
     block_valid: Tensor,  # [B, W] bool
     block_mask: Tensor,  # [B, W, W] bool
     mask_kind: str,
     dtype: torch.dtype,
 ) -> Tensor:  # [B, 1, W, L + W]
-    """Every block token sees the row's valid cache columns and the block tokens it may see.
+    """Every block token sees its ``past`` cache columns and the block tokens it may see.
 
     A hole also sees itself, so no query row is fully masked: such rows come out as NaN in some
     kernels (eager attention in float64, the math SDPA of older torch), and a NaN key or value
     poisons every row that "attends" to it with weight 0 (0 * NaN = NaN).
     """
     width = block_valid.shape[1]
-    past = valid.unsqueeze(1).expand(-1, width, -1)  # [B, W, L]
     itself = torch.eye(width, dtype=torch.bool, device=block_mask.device)
     within = (block_mask & block_valid.unsqueeze(1)) | itself  # [B, W, W]
     mask = torch.cat([past, within], dim=2).unsqueeze(1)

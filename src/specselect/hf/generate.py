@@ -23,6 +23,13 @@ selector state stays aligned with the caller's rows):
    ``cache_slack`` holes (so a cache is never wider than ``max(valid) + cache_slack`` after a
    step).
 
+With ``tree=TreeSpec(...)`` a step drafts one tree per row instead
+(:class:`~specselect.hf.tree_draft.TreeDrafter`), the selector picks tree nodes (``parents=``),
+the target runs once over the root and the selected nodes with the tree mask, and
+:func:`~specselect.verify_tree.tree_greedy_verify` or
+:func:`~specselect.verify_tree.tree_rejection_verify` picks the accepted path (``_tree_step``);
+emission, statistics, retiring and compaction are shared with chain steps.
+
 Host syncs per step (everything else stays on the device):
 
 * **the verify width** — ``int(max(selected lengths))`` after selection. The target pass must
@@ -59,11 +66,14 @@ from specselect.hf.cache import RaggedCache, causal_block_mask, forward_block
 from specselect.hf.compat import ModelHandle, check_context_fits, check_pair
 from specselect.hf.draft import ChainDrafter, DraftChain, SamplingParams
 from specselect.hf.options import GenerationOptions, resolve_options
+from specselect.hf.tree_draft import DraftTree, TreeDrafter, TreeSpec
 from specselect.metrics import StepCounts, Totals
 from specselect.sampling import check_generator
 from specselect.scores import causal_logprobs, expected_self_logprob
-from specselect.selection import NEG_INF, Selector, available_lengths, prefix_mask
+from specselect.selection import NEG_INF, Selection, Selector, available_lengths, prefix_mask
+from specselect.tree import TreeBuffers, build_tree_buffers, path_sums
 from specselect.verify import greedy_verify, rejection_verify
+from specselect.verify_tree import TreeVerdict, tree_greedy_verify, tree_rejection_verify
 
 #: Default hole budget of the fullest row before a cache is compacted.
 DEFAULT_CACHE_SLACK = 64
@@ -136,6 +146,7 @@ def speculative_generate(
     progress: bool = False,
     tokenizer: Sized | None = None,
     cache_slack: int = DEFAULT_CACHE_SLACK,
+    tree: TreeSpec | None = None,
 ) -> SpeculativeOutput:
     """Generate with ``target``, drafting with ``draft``, verifying what ``selector`` chooses.
 
@@ -166,6 +177,9 @@ def speculative_generate(
         tokenizer: only needed when the models' vocabulary sizes differ (padding rows): its
             ``len()`` is the shared vocabulary both must cover.
         cache_slack: holes allowed in the fullest row of a cache before it is compacted.
+        tree: draft a tree per row instead of a chain (:class:`~specselect.hf.TreeSpec`); the
+            selector must support trees (``supports_trees``: TETRIS, fixed), and its budget
+            counts tree nodes (the root excluded).
 
     Returns:
         :class:`SpeculativeOutput` with ``sequences`` and :class:`GenerationStats`.
@@ -175,6 +189,7 @@ def speculative_generate(
     if not isinstance(selector, Selector):
         raise TypeError(f"selector must be a specselect Selector, got {type(selector).__name__}")
     cache_slack = check_int("cache_slack", cache_slack)
+    check_tree_mode(tree, selector)
     input_ids, attention_mask = check_prompts(input_ids, attention_mask, t_handle)
     options = resolve_options(
         generation_config,
@@ -188,6 +203,10 @@ def speculative_generate(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
     )
+    if tree is not None and tree.branch > t_handle.vocab:
+        raise ValueError(
+            f"TreeSpec.branch ({tree.branch}) exceeds the vocabulary size ({t_handle.vocab})"
+        )
     longest = input_ids.shape[1] + options.max_new_tokens + cache_slack
     check_context_fits("target", t_handle.model, longest)
     check_context_fits("draft", d_handle.model, longest)
@@ -196,8 +215,27 @@ def speculative_generate(
     # no_grad rather than inference_mode: returned tensors stay ordinary tensors that callers may
     # modify in place, as with generate().
     with torch.no_grad():
-        loop = _Loop(t_handle, d_handle, selector, options, generators, cache_slack)
+        loop = _Loop(t_handle, d_handle, selector, options, generators, cache_slack, tree)
         return loop.run(input_ids, attention_mask, progress)
+
+
+def check_tree_mode(tree: object, selector: Selector) -> None:
+    """Raise unless ``tree`` is ``None`` or a :class:`TreeSpec` that ``selector`` can serve.
+
+    Tree mode ranks draft-tree nodes, which only selectors with ``supports_trees`` can do;
+    acceptance estimators and the ranking guard learn from the accepted path, which the loop
+    passes to ``selector.update(..., accepted_nodes=...)``.
+    """
+    if tree is None:
+        return
+    if not isinstance(tree, TreeSpec):
+        raise TypeError(f"tree must be a TreeSpec or None, got {type(tree).__name__}")
+    if not selector.supports_trees:
+        raise TypeError(
+            f"tree mode needs a selector that selects draft-tree nodes; "
+            f"{type(selector).__name__} does not (supports_trees is False): use 'tetris' or "
+            "'fixed'"
+        )
 
 
 def check_prompts(
@@ -273,8 +311,10 @@ class _Loop:
         options: GenerationOptions,
         generators: dict[torch.device, torch.Generator | None],
         cache_slack: int,
+        tree: TreeSpec | None = None,
     ) -> None:
         self.target, self.draft, self.selector = target, draft, selector
+        self.tree = tree
         self.options = options
         self.params: SamplingParams = options.sampling
         self.device = target.device
@@ -327,9 +367,19 @@ class _Loop:
             )
             self.cache.commit(valid)
         self.pending = input_ids[:, -1]  # [B_a]
-        self.drafter = ChainDrafter(
-            self.draft, batch, self.target.vocab, self.params, self.draft_generator
-        )
+        if self.tree is None:
+            self.drafter = ChainDrafter(
+                self.draft, batch, self.target.vocab, self.params, self.draft_generator
+            )
+        else:
+            self.drafter = TreeDrafter(
+                self.draft,
+                batch,
+                self.target.vocab,
+                self.params,
+                self.draft_generator,
+                self.tree.sampled_children,
+            )
         d = self.draft.device
         self.drafter.prefill(context.to(d), valid.to(d), self.pending.to(d))
         int(self.cache.count.max())  # sync once: the prefill's time is not the first step's
@@ -338,7 +388,7 @@ class _Loop:
         total = self.batch * self.options.max_new_tokens
         with tqdm(total=total, disable=not progress, unit="tok", desc="speculative") as bar:
             while self.row_ids:
-                bar.update(self._step())
+                bar.update(self._step() if self.tree is None else self._tree_step())
                 if progress:
                     totals = Totals.of(self.stats.steps)
                     bar.set_postfix(tps=f"{totals.tokens_per_step:.2f}", vsr=f"{totals.vsr:.2f}")
@@ -371,6 +421,18 @@ class _Loop:
         )
         self.pending = next_token
         self.selector.update(selection, self._to_full(num_accepted, 0))
+        return self._finish_step(start, drafted, finished, lengths, num_accepted, written)
+
+    def _finish_step(
+        self,
+        start: float,
+        drafted: float,
+        finished: Tensor,  # [B_a] bool
+        lengths: Tensor,  # [B_a] verified per row
+        num_accepted: Tensor,  # [B_a]
+        written: Tensor,  # [B_a]
+    ) -> int:
+        """The step's read-back, statistics, retirement and compaction (chain and tree alike)."""
         report = torch.stack(
             [
                 finished.to(torch.int64),
@@ -392,6 +454,164 @@ class _Loop:
         self.stats.steps.append(replace(counts, seconds=done - start))
         self.stats.cache_widths.append((self.cache.width, self.drafter.cache.width))
         return sum(report[3]) + retired_slots
+
+    # ----------------------------------------------------------------- one tree step
+    def _tree_step(self) -> int:
+        """One step with draft trees: draft, select nodes, one target pass, walk the tree.
+
+        Same bookkeeping and host syncs as :meth:`_step`. The target pass sends each row's root
+        (the pending token) and its selected nodes, selected nodes first and padded to the
+        largest selection (padding columns become holes), with the tree's ancestor mask and
+        positions ``root position + depth``; both caches keep only the accepted path.
+        """
+        start = time.perf_counter()
+        assert self.tree is not None and isinstance(self.drafter, TreeDrafter)
+        most = max(self.options.max_new_tokens - self.generated_host[r] for r in self.row_ids)
+        depth = min(self.tree.depth, most - 1)  # deeper nodes could not be emitted by any row
+        draft = (
+            self.drafter.draft_tree(replace(self.tree, depth=depth)).to(self.device)
+            if depth > 0
+            else self._empty_tree()
+        )
+        buffers = build_tree_buffers(draft.parents)
+        selection: Selection | None = None
+        if depth > 0:
+            scores = self._mask_unemittable_nodes(draft, buffers, self._tree_scores(draft))
+            selection = self.selector.select(
+                self._to_full(scores, NEG_INF),
+                self.active_full,
+                parents=self._to_full(draft.parents, -1),
+            )
+            # A selector that broke its contract must not verify nodes no row can emit.
+            usable = path_sums(scores, draft.parents) > NEG_INF
+            selected = self._to_active(selection.mask) & usable  # [B_a, N]
+        else:
+            selected = torch.zeros_like(draft.tokens, dtype=torch.bool)
+        lengths = selected.sum(dim=1)
+        width = 1 + int(lengths.max()) if depth > 0 else 1  # host sync 1: the verify width
+        drafted = time.perf_counter()
+
+        # Selected nodes first, in index order (so parents stay before children).
+        order = torch.sort((~selected).to(torch.uint8), dim=1, stable=True).indices
+        order = order[:, : width - 1]  # [B_a, W - 1]
+        logits = self._tree_target_pass(draft, buffers, selected, order)
+        verdict = self._tree_verify(draft, buffers, selected, logits, order, depth)
+        nodes = torch.arange(draft.tokens.shape[1], device=self.device)
+        on_path = (nodes.view(1, -1, 1) == verdict.path.unsqueeze(1)).any(dim=2)  # [B_a, N]
+        root = torch.ones_like(lengths, dtype=torch.bool).unsqueeze(1)
+        self.cache.commit(torch.cat([root, on_path.gather(1, order)], dim=1))
+        accepted_tokens = verdict.accepted_tokens(draft.tokens)[:, :depth]  # [B_a, depth]
+        written, finished = self._emit(
+            accepted_tokens, verdict.num_accepted, verdict.next_token, depth + 1
+        )
+        d = self.draft.device
+        if depth > 0:
+            self.drafter.advance_tree(
+                verdict.path[:, :depth].to(d), verdict.last_node.to(d), verdict.next_token.to(d)
+            )
+        else:
+            self.drafter.skip(verdict.next_token.to(d))
+        self.pending = verdict.next_token
+        if selection is not None:
+            self.selector.update(
+                selection,
+                self._to_full(verdict.num_accepted, 0),
+                accepted_nodes=self._to_full(on_path, False),
+            )
+        return self._finish_step(start, drafted, finished, lengths, verdict.num_accepted, written)
+
+    def _empty_tree(self) -> DraftTree:
+        """A tree without nodes, for steps where no row can emit a draft token."""
+        rows = len(self.row_ids)
+        none = torch.zeros(rows, 0, dtype=torch.int64, device=self.device)
+        probs = None
+        if self.params.do_sample:
+            probs = torch.zeros(rows, 1, self.target.vocab, device=self.device)
+        return DraftTree(none, none.float(), none, none, probs)
+
+    def _tree_scores(self, draft: DraftTree) -> Tensor:  # -> [B_a, N]
+        """Node scores for the selector: causal ones for sampled children (see
+        :func:`_selection_scores`); raw log q for deterministic (top-k) children."""
+        if not self.drafter.sampled:
+            return draft.logprobs
+        assert draft.probs is not None
+        expected = expected_self_logprob(draft.probs)  # [B_a, N + 1]
+        return causal_logprobs(draft.logprobs, expected.gather(1, draft.parents + 1), draft.parents)
+
+    def _mask_unemittable_nodes(
+        self, draft: DraftTree, buffers: TreeBuffers, scores: Tensor
+    ) -> Tensor:  # [B_a, N] -> [B_a, N]
+        """``-inf`` for nodes that could not be emitted: depth >= remaining, or below an EOS."""
+        remaining = self.options.max_new_tokens - self.generated  # [B_a]
+        cut = draft.depth >= remaining.unsqueeze(1)
+        if self.eos.numel():
+            nodes = draft.tokens.shape[1]
+            eye = torch.eye(nodes, dtype=torch.bool, device=self.device)
+            is_eos = torch.isin(draft.tokens, self.eos)  # [B_a, N]
+            cut = cut | (buffers.ancestors & ~eye & is_eos.unsqueeze(1)).any(dim=2)
+        return scores.masked_fill(cut, NEG_INF)
+
+    def _tree_target_pass(
+        self,
+        draft: DraftTree,
+        buffers: TreeBuffers,
+        selected: Tensor,  # [B_a, N] bool
+        order: Tensor,  # [B_a, W - 1] int64 node sent in each block column after the root
+    ) -> Tensor:  # [B_a, W, V]
+        """The target's logits for ``[root, nodes order]`` per row, with the tree mask."""
+        rows, nodes = draft.tokens.shape
+        count = order.shape[1]
+        among = buffers.ancestors.gather(1, order.unsqueeze(2).expand(-1, -1, nodes))
+        among = among.gather(2, order.unsqueeze(1).expand(-1, count, -1))  # [B_a, W-1, W-1]
+        sees_root = torch.ones(rows, count, 1, dtype=torch.bool, device=self.device)
+        root_row = torch.zeros(rows, 1, count + 1, dtype=torch.bool, device=self.device)
+        root_row[:, :, 0] = True
+        block_mask = torch.cat([root_row, torch.cat([sees_root, among], dim=2)], dim=1)
+        first = torch.ones(rows, 1, dtype=torch.bool, device=self.device)
+        logits = forward_block(
+            self.target,
+            self.cache,
+            torch.cat([self.pending.unsqueeze(1), draft.tokens.gather(1, order)], dim=1),
+            torch.cat([first, selected.gather(1, order)], dim=1),
+            depth=torch.cat(
+                [torch.zeros_like(first, dtype=torch.int64), draft.depth.gather(1, order)], dim=1
+            ),
+            block_mask=block_mask,
+        )
+        return logits.to(self.device)
+
+    def _tree_verify(
+        self,
+        draft: DraftTree,
+        buffers: TreeBuffers,
+        selected: Tensor,  # [B_a, N] bool
+        logits: Tensor,  # [B_a, W, V]
+        order: Tensor,  # [B_a, W - 1] int64
+        depth: int,
+    ) -> TreeVerdict:
+        """Greedy path matching or lossless tree sampling on the target's block output."""
+        values = logits if not self.params.do_sample else self.params.probs(logits)
+        rows, nodes = draft.tokens.shape
+        # Back to one column per node (column j + 1 = after node j); unselected nodes get 0.
+        per_node = values.new_zeros(rows, nodes, values.shape[2])
+        per_node = per_node.scatter(
+            1, order.unsqueeze(2).expand(-1, -1, values.shape[2]), values[:, 1:]
+        )
+        full = torch.cat([values[:, :1], per_node], dim=1)  # [B_a, N + 1, V]
+        if not self.params.do_sample:
+            return tree_greedy_verify(draft.tokens, selected, buffers, full)
+        assert draft.probs is not None and self.tree is not None
+        return tree_rejection_verify(
+            draft.tokens,
+            selected,
+            buffers,
+            draft.probs,
+            full,
+            sampled_children=self.drafter.sampled,
+            max_depth=depth,
+            max_children=self.tree.branch,
+            generator=self.generator,
+        )
 
     def _mask_unemittable(self, chain: DraftChain, logprobs: Tensor) -> Tensor:  # -> [B_a, k]
         """``-inf`` for draft positions that could not be emitted (see the module docstring)."""
@@ -512,7 +732,13 @@ class _Loop:
         return values.index_select(0, self.rows)
 
 
-__all__ = ["DEFAULT_CACHE_SLACK", "GenerationStats", "SpeculativeOutput", "speculative_generate"]
+__all__ = [
+    "DEFAULT_CACHE_SLACK",
+    "GenerationStats",
+    "SpeculativeOutput",
+    "TreeSpec",
+    "speculative_generate",
+]
 
 
 def _selection_scores(chain: DraftChain) -> Tensor:  # -> [B_a, k]

@@ -1,0 +1,300 @@
+"""Tree drafting (EAGLE-2 style): a few wide draft passes grow one static-shape tree per row.
+
+A :class:`TreeSpec` ``(depth, branch, width)`` describes the tree every row gets:
+
+* level 1 holds the ``branch`` children of the root (the pending token): the top-``branch``
+  tokens of the draft distribution ``q`` after the root, or ``branch`` independent draws from
+  ``q`` when sampling with ``sampled_children``;
+* each further level expands the ``width`` nodes of the previous level with the best path scores
+  (sum of log q from the root), ``branch`` children each, after ONE draft pass over those
+  ``width`` frontier nodes per row.
+
+So a step costs ``depth`` draft passes (the first also absorbs the backlog, as in chain
+drafting) and yields ``N = branch + sum over later levels of min(width, previous level) * branch``
+nodes per row (``branch + (depth - 1) * width * branch`` when ``width <= branch``). Shapes are
+static: rows are never trimmed, and nodes a row cannot use are masked later by the loop
+(``-inf`` scores).
+
+The draft's cache follows the same backlog rule as :class:`~specselect.hf.draft.ChainDrafter`
+(which this class extends): the frontier nodes were fed to the draft, the leaves were not. After
+verification only the accepted path's frontier columns are committed; if the last accepted node
+was never fed (a leaf, or a node outside every frontier) it joins the pending token in the next
+backlog.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specselect._checks import check_int
+from specselect.hf.cache import forward_block
+from specselect.hf.compat import ModelHandle
+from specselect.hf.draft import ChainDrafter, SamplingParams, align_vocab
+from specselect.sampling import sample_from
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """Shape of the draft tree of every row (see the module docstring).
+
+    Args:
+        depth: levels below the root (draft passes per step).
+        branch: children per expanded node.
+        width: frontier nodes expanded per level (levels 2..depth).
+        sampled_children: when sampling, draw each node's children independently from ``q``
+            (SpecInfer-style multi-candidate verification); ``False`` takes the top-``branch``
+            tokens of ``q`` instead (deterministic children, verified by recursive rejection).
+            Greedy decoding always uses the top-``branch`` tokens.
+    """
+
+    depth: int
+    branch: int
+    width: int
+    sampled_children: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "branch", "width"):
+            check_int(f"TreeSpec.{name}", getattr(self, name), minimum=1)
+        if not isinstance(self.sampled_children, bool):
+            raise TypeError(
+                "TreeSpec.sampled_children must be a bool, "
+                f"got {type(self.sampled_children).__name__}"
+            )
+
+    def level_sizes(self, depth: int | None = None) -> tuple[int, ...]:
+        """Nodes per level for the first ``depth`` levels (default: all of them)."""
+        sizes = [self.branch]
+        for _ in range(1, self.depth if depth is None else depth):
+            sizes.append(min(self.width, sizes[-1]) * self.branch)
+        return tuple(sizes[: self.depth if depth is None else depth])
+
+    @property
+    def num_nodes(self) -> int:
+        """``N``: nodes per row (the root excluded)."""
+        return sum(self.level_sizes())
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One step's draft trees, one per row, nodes level by level (parents come first)."""
+
+    tokens: Tensor  # [B, N] int64
+    logprobs: Tensor  # [B, N] float32: log q of each node's token under its parent's q
+    parents: Tensor  # [B, N] int64, -1 = child of the root
+    depth: Tensor  # [B, N] int64, >= 1
+    probs: Tensor | None  # [B, N + 1, V]: q after the root (col 0) and after node j (col j + 1)
+
+    def to(self, device: torch.device) -> DraftTree:
+        probs = None if self.probs is None else self.probs.to(device, non_blocking=True)
+        return DraftTree(
+            self.tokens.to(device, non_blocking=True),
+            self.logprobs.to(device, non_blocking=True),
+            self.parents.to(device, non_blocking=True),
+            self.depth.to(device, non_blocking=True),
+            probs,
+        )
+
+
+def pick_children(
+    logits: Tensor,  # [B, F, V]
+    count: int,
+    params: SamplingParams,
+    sampled: bool,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor, Tensor | None]:  # [B, F, count] x2, [B, F, V] | None
+    """``count`` children of each of ``F`` nodes per row: ``(tokens, log q(token), q)``.
+
+    Greedy: the top-``count`` tokens, scored by the unprocessed log-softmax (as chain drafting
+    scores its argmax). Sampling: ``q`` is the processed distribution, which verification needs
+    whole; children are ``count`` independent draws from it (``sampled``) or its top-``count``
+    tokens (a token outside the top-k/top-p support gets log q = -inf and is never verified).
+    """
+    if not params.do_sample:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top = logprobs.topk(count, dim=-1)
+        return top.indices, top.values, None
+    probs = params.probs(logits)  # [B, F, V]
+    if sampled:
+        expanded = probs.unsqueeze(2).expand(-1, -1, count, -1)  # [B, F, count, V]
+        tokens = sample_from(expanded, generator)
+        return tokens, probs.gather(2, tokens).log(), probs
+    top = probs.topk(count, dim=-1)
+    return top.indices, top.values.log(), probs
+
+
+class TreeDrafter(ChainDrafter):
+    """The draft model's side of the tree loop: chain bookkeeping plus :meth:`draft_tree`.
+
+    Args:
+        handle: the checked draft model.
+        batch: rows.
+        vocab: the target's logit width (draft logits are aligned to it).
+        params: token choice, identical to the target's.
+        generator: RNG on the draft's device (sampling only).
+        sampled_children: see :class:`TreeSpec` (sampling only).
+    """
+
+    def __init__(
+        self,
+        handle: ModelHandle,
+        batch: int,
+        vocab: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        sampled_children: bool = True,
+    ) -> None:
+        super().__init__(handle, batch, vocab, params, generator)
+        self.sampled = sampled_children and params.do_sample
+        self._tree: DraftTree | None = None
+        self._fed: Tensor | None = None  # [B, N] bool: node was fed to the draft this step
+        self._fed_ids = torch.zeros(batch, 0, dtype=torch.int64, device=handle.device)  # [B, T]
+
+    def draft_tree(self, spec: TreeSpec) -> DraftTree:
+        """Draft one tree per row in ``spec.depth`` passes (the first one feeds the backlog)."""
+        sizes = spec.level_sizes()
+        nodes = sum(sizes)
+        batch, device = self.cache.batch, self.handle.device
+        base = self.backlog_valid.sum(dim=1, keepdim=True)  # [B, 1] depth offset of level 1
+        logits = forward_block(
+            self.handle,
+            self.cache,
+            self._embeddable(self.backlog),
+            self.backlog_valid,
+            last_only=True,
+        )
+        dist = align_vocab(logits[:, -1:], self.vocab)  # [B, 1, V]
+        strict = torch.zeros(batch, nodes, nodes, dtype=torch.bool, device=device)  # ancestors
+        fed = torch.zeros(batch, nodes, dtype=torch.bool, device=device)
+        after = None
+        if self.params.do_sample:
+            after = torch.zeros(batch, nodes + 1, self.vocab, device=device)
+        fed_ids = torch.zeros(batch, 0, dtype=torch.int64, device=device)
+        frontier = torch.full((batch, 1), -1, dtype=torch.int64, device=device)  # [B, F] parents
+        tokens, logprobs, parents, scores = [], [], [], []
+        offset = 0
+        for level, size in enumerate(sizes, start=1):
+            token, logprob, probs = pick_children(
+                dist, spec.branch, self.params, self.sampled, self.generator
+            )  # [B, F, branch]
+            if after is not None and probs is not None:
+                after = _scatter_rows(after, frontier + 1, probs)
+            parent = frontier.unsqueeze(2).expand_as(token).reshape(batch, size)
+            tokens.append(token.reshape(batch, size))
+            logprobs.append(logprob.reshape(batch, size))
+            parents.append(parent)
+            scores.append(_child_scores(scores, parent, logprobs[-1]))
+            strict = _inherit_ancestors(strict, parent, offset)
+            if level == spec.depth:
+                break
+            chosen = scores[-1].topk(min(spec.width, size), dim=1).indices + offset  # [B, F']
+            fed = fed.scatter(1, chosen, True)
+            feed = torch.cat(tokens, dim=1).gather(1, chosen)
+            past = _frontier_past(strict, chosen, fed_ids, self.cache.width)
+            logits = forward_block(
+                self.handle,
+                self.cache,
+                self._embeddable(feed),
+                torch.ones_like(feed, dtype=torch.bool),
+                depth=(base - 1 + level).expand_as(feed),
+                block_mask=torch.eye(feed.shape[1], dtype=torch.bool, device=device).expand(
+                    batch, -1, -1
+                ),
+                past_mask=past,
+            )
+            dist = align_vocab(logits, self.vocab)  # [B, F', V]
+            fed_ids = torch.cat([fed_ids, chosen], dim=1)
+            frontier = chosen
+            offset += size
+        levels = [d for d, size in enumerate(sizes, start=1) for _ in range(size)]
+        depth = torch.tensor(levels, device=device).expand(batch, -1)  # [B, N], from host ints
+        tree = DraftTree(
+            torch.cat(tokens, dim=1),
+            torch.cat(logprobs, dim=1),
+            torch.cat(parents, dim=1),
+            depth,
+            after,
+        )
+        self._tree, self._fed, self._fed_ids = tree, fed, fed_ids
+        return tree
+
+    def advance_tree(
+        self,
+        path: Tensor,  # [B, D] int64, -1 padded
+        last_node: Tensor,  # [B] int64, -1 = root
+        next_token: Tensor,  # [B] int64
+    ) -> None:
+        """Commit the accepted path's draft entries and set the next backlog.
+
+        All tensors on the draft's device. Without a tree this step (:meth:`skip`) use that
+        method instead.
+        """
+        assert self._tree is not None and self._fed is not None
+        on_path = (self._fed_ids.unsqueeze(2) == path.unsqueeze(1)).any(dim=2)  # [B, T]
+        self.cache.commit(torch.cat([self.backlog_valid, on_path], dim=1))
+        node = last_node.clamp(min=0).unsqueeze(1)
+        unseen = (last_node >= 0) & ~self._fed.gather(1, node).squeeze(1)
+        token = self._tree.tokens.gather(1, node).squeeze(1)
+        self.backlog = torch.stack([torch.where(unseen, token, 0), next_token], dim=1)
+        self.backlog_valid = torch.stack([unseen, torch.ones_like(unseen)], dim=1)
+        self._tree = self._fed = None
+
+    def skip(self, next_token: Tensor) -> None:  # [B] int64
+        """No tree was drafted this step: the backlog just grows by ``next_token``."""
+        self.advance(0, next_token, next_token)
+
+
+def _scatter_rows(
+    buffer: Tensor,  # [B, M, V]
+    index: Tensor,  # [B, F] int64
+    rows: Tensor,  # [B, F, V]
+) -> Tensor:  # [B, M, V]
+    """``buffer[b, index[b, f]] = rows[b, f]``, out of place."""
+    return buffer.scatter(1, index.unsqueeze(2).expand_as(rows), rows.to(buffer.dtype))
+
+
+def _child_scores(
+    previous: list[Tensor],  # per level [B, size]
+    parent: Tensor,  # [B, S] int64 global node index, -1 = root
+    logprobs: Tensor,  # [B, S]
+) -> Tensor:  # [B, S]
+    """Path scores of a new level: the parent's path score plus the child's log q."""
+    if not previous:
+        return logprobs.float()
+    known = torch.cat(previous, dim=1)
+    return known.gather(1, parent.clamp(min=0)) + logprobs
+
+
+def _inherit_ancestors(
+    strict: Tensor,  # [B, N, N] bool
+    parent: Tensor,  # [B, S] int64
+    offset: int,
+) -> Tensor:  # [B, N, N]
+    """Strict ancestors of the new nodes ``offset .. offset + S``: the parent's plus the parent."""
+    nodes = strict.shape[1]
+    safe = parent.clamp(min=0)
+    inherited = strict.gather(1, safe.unsqueeze(2).expand(-1, -1, nodes))  # [B, S, N]
+    itself = F.one_hot(safe, nodes).bool() & (parent >= 0).unsqueeze(2)
+    strict = strict.clone()
+    strict[:, offset : offset + parent.shape[1]] = (inherited | itself) & (parent >= 0).unsqueeze(2)
+    return strict
+
+
+def _frontier_past(
+    strict: Tensor,  # [B, N, N] bool
+    chosen: Tensor,  # [B, F] int64 frontier nodes
+    fed_ids: Tensor,  # [B, T] int64 nodes fed earlier this step (the cache's last T columns)
+    width: int,
+) -> Tensor:  # [B, F, width] bool
+    """Cache columns a frontier node may see: everything before this step's frontier blocks
+    (committed tokens and the backlog) and, among the fed nodes, only its own ancestors."""
+    batch, count = chosen.shape
+    seen = fed_ids.shape[1]
+    nodes = strict.shape[1]
+    rows = strict.gather(1, chosen.unsqueeze(2).expand(-1, -1, nodes))  # [B, F, N]
+    ancestors = rows.gather(2, fed_ids.unsqueeze(1).expand(-1, count, -1))  # [B, F, T]
+    before = torch.ones(batch, count, width - seen, dtype=torch.bool, device=chosen.device)
+    return torch.cat([before, ancestors], dim=2)

@@ -1,0 +1,331 @@
+"""Tree mode of ``speculative_generate``: tree passes, the tree drafter, greedy identity,
+lossless sampling and argument errors.
+
+Fixtures come from tests/hf_models.py (tiny random Llama and GPT-2, noisy-copy drafts) and reuse
+the chain tests' cases: ``test_generate_greedy.case`` (prompts, an EOS id the target produces,
+``generate()``'s greedy output) and ``test_generate_sampling``'s exact target distributions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hf_models import (  # noqa: F401  (single_thread is an autouse fixture)
+    ARCHS,
+    PAD_ID,
+    left_padded_prompts,
+    single_thread,
+    tiny_model,
+)
+from specselect import make_selector
+from specselect.hf import (
+    RaggedCache,
+    SamplingParams,
+    TreeDrafter,
+    TreeSpec,
+    forward_block,
+    speculative_generate,
+)
+from specselect.hf.cache import causal_block_mask
+from specselect.hf.compat import ModelHandle
+from specselect.tree import build_tree_buffers
+from test_generate_greedy import MAX_NEW, MAX_PROMPT, SEEDS, case, row_endings
+from test_generate_sampling import (
+    ALPHA,
+    PROMPTS,
+    VOCAB,
+    chi_square_pvalue,
+    exact_distributions,
+)
+from test_generate_sampling import pair as sampling_pair  # noqa: F401  (module fixture)
+
+TREE = TreeSpec(depth=4, branch=2, width=2)
+GREEDY_VOCAB = 128
+
+
+def random_parents(rows: int, nodes: int, gen: torch.Generator) -> torch.Tensor:  # [B, N]
+    """Random trees: node ``j``'s parent is uniform over the root and nodes ``0 .. j - 1``."""
+    parents = torch.empty(rows, nodes, dtype=torch.int64)
+    for j in range(nodes):
+        parents[:, j] = torch.randint(-1, j, (rows,), generator=gen)
+    return parents
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    """Root-to-``node`` path (node indices), from a row's parent list."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_tree_pass_equals_sequential_paths(arch: str) -> None:
+    """Every node's logits from ONE batched pass over [root, nodes] (tree mask, positions root +
+    depth, a real cache prefix behind left-padded prompts) equal decoding its path alone."""
+    model = tiny_model(arch, 3).float()
+    handle = ModelHandle.of("model", model)
+    gen = torch.Generator().manual_seed(3)
+    batch, nodes = 4, 7
+    ids, mask = left_padded_prompts(batch, 2, 7, GREEDY_VOCAB, 3)
+    parents = random_parents(batch, nodes, gen)
+    tokens = torch.randint(3, GREEDY_VOCAB, (batch, nodes), generator=gen)
+    buffers = build_tree_buffers(parents)
+    depth = torch.cat([torch.zeros(batch, 1, dtype=torch.int64), buffers.depth], dim=1)
+    cache = RaggedCache(batch, handle.device)
+    with torch.no_grad():
+        context, valid = ids[:, :-1], mask[:, :-1].bool()
+        forward_block(handle, cache, context, valid, block_mask=causal_block_mask(valid))
+        cache.commit(valid)
+        block = torch.cat([ids[:, -1:], tokens], dim=1)
+        logits = forward_block(
+            handle,
+            cache,
+            block,
+            torch.ones_like(block, dtype=torch.bool),
+            depth=depth,
+            block_mask=buffers.attention_mask(),
+        )  # [B, N + 1, V]
+        for row in range(batch):
+            prompt = ids[row][mask[row].bool()]
+            for node in range(-1, nodes):
+                path = path_to(parents[row].tolist(), node)
+                seq = torch.cat([prompt, tokens[row, path]]).unsqueeze(0)
+                expected = model(seq).logits[0, -1]
+                assert (logits[row, node + 1] - expected).abs().max() <= 1e-5
+
+
+def draft_logprobs(model: nn.Module, sequence: list[int]) -> torch.Tensor:  # [V]
+    return torch.log_softmax(model(torch.tensor([sequence])).logits[0, -1].float(), dim=-1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_drafter_expands_its_own_top_children(arch: str) -> None:
+    """Drafting is invisible to the identity tests (the target corrects any draft), so check it
+    directly. Over several steps with random accepted paths (including leaves, which the draft
+    never ran on, and the root alone) each node is one of the top-``branch`` tokens of the draft
+    model run from scratch on the row's sequence plus the node's path, with that log-prob."""
+    model = tiny_model(arch, 5)
+    spec = TreeSpec(depth=3, branch=2, width=2)
+    batch = 3
+    ids, mask = left_padded_prompts(batch, 1, 6, GREEDY_VOCAB, 5)
+    sequences = [ids[r][mask[r].bool()].tolist() for r in range(batch)]
+    drafter = TreeDrafter(
+        ModelHandle.of("draft", model), batch, GREEDY_VOCAB, SamplingParams(), None
+    )
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        drafter.prefill(ids[:, :-1], mask[:, :-1].bool(), ids[:, -1])
+        for step in range(4):
+            tree = drafter.draft_tree(spec)
+            buffers = build_tree_buffers(tree.parents)
+            assert tree.tokens.shape == (batch, spec.num_nodes)
+            for row in range(batch):
+                parents = tree.parents[row].tolist()
+                for node in range(spec.num_nodes):
+                    prefix = tree.tokens[row, path_to(parents, parents[node])].tolist()
+                    logprobs = draft_logprobs(model, sequences[row] + prefix)
+                    top = logprobs.topk(spec.branch).indices.tolist()
+                    assert int(tree.tokens[row, node]) in top
+                    got = float(tree.logprobs[row, node])
+                    assert abs(got - float(logprobs[tree.tokens[row, node]])) < 1e-4
+            # Row 0 accepts a deepest node (a leaf: never fed), row 1 nothing, row 2 random.
+            deepest = int(tree.depth[0].argmax()) + step % 2
+            last = torch.tensor(
+                [deepest, -1, int(torch.randint(0, spec.num_nodes, (1,), generator=gen))]
+            )
+            path = torch.where(
+                (last >= 0).unsqueeze(1), buffers.paths[torch.arange(batch), last.clamp(min=0)], -1
+            )
+            next_token = torch.randint(3, GREEDY_VOCAB, (batch,), generator=gen)
+            drafter.advance_tree(path, last, next_token)
+            for row in range(batch):
+                node = int(last[row])
+                accepted = path_to(tree.parents[row].tolist(), node) if node >= 0 else []
+                sequences[row] += [*tree.tokens[row, accepted].tolist(), int(next_token[row])]
+
+
+SELECTORS = {
+    "tetris": lambda: make_selector("tetris", k=3, extra=2),  # history estimator + guard
+    "tetris-paper": lambda: make_selector("tetris", k=3, extra=2, estimator=None, guard=False),
+    "fixed": lambda: make_selector("fixed", k=3),
+}
+
+
+@pytest.mark.parametrize("selector_name", sorted(SELECTORS))
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tree_matches_generate(arch: str, seed: int, selector_name: str) -> None:
+    target, draft, ids, mask, eos, reference = case(arch, seed)
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=SELECTORS[selector_name](),
+        max_new_tokens=MAX_NEW,
+        eos_token_id=eos,
+        pad_token_id=PAD_ID,
+        tree=TREE,
+    )
+    assert torch.equal(out.sequences, reference)
+    stats = out.stats
+    endings = row_endings(stats, eos, out.sequences, MAX_PROMPT)
+    assert {"eos_accepted", "max_new_in_run"} <= set(endings), endings
+    totals = stats.totals
+    assert totals.tokens_per_step > 1.5, "the drafts must be accepted often"
+    # The budget: C = 3 nodes per active request, globally (TETRIS) or per request (fixed).
+    for step, verified in zip(stats.steps, stats.verified_per_step, strict=True):
+        assert step.verified <= 3 * step.active
+        if selector_name == "fixed":
+            assert int(verified.max()) <= 3
+    assert int(stats.accepted.sum()) == totals.accepted
+    assert (stats.accepted <= stats.verified).all()
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_short_generations_cut_the_tree(max_new: int, do_sample: bool) -> None:
+    """With 1 token left no tree is drafted (plain decoding); with few left the tree is cut.
+    Greedy output still equals generate(); sampled rows have the right length and no EOS."""
+    target, draft, ids, mask, _, _ = case("gpt2", 0)
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=SELECTORS["tetris-paper"](),
+        max_new_tokens=max_new,
+        do_sample=do_sample,
+        eos_token_id=[],
+        generator=torch.Generator().manual_seed(0),
+        tree=TREE,
+    )
+    assert out.sequences.shape == (ids.shape[0], MAX_PROMPT + max_new)
+    if not do_sample:
+        reference = target.generate(
+            ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new, eos_token_id=[]
+        )
+        assert torch.equal(out.sequences, reference)
+    assert int(out.stats.accepted.max()) <= max_new - 1
+
+
+def test_tetris_moves_budget_between_trees() -> None:
+    """TETRIS spends its global budget unevenly: some step gives a row more than k nodes."""
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=SELECTORS["tetris-paper"](),
+        max_new_tokens=MAX_NEW,
+        eos_token_id=eos,
+        pad_token_id=PAD_ID,
+        tree=TREE,
+    )
+    assert max(int(v.max()) for v in out.stats.verified_per_step) > 3
+
+
+ROWS_PER_PROMPT = 3000
+
+
+@pytest.mark.parametrize(
+    ("sampled_children", "selector_name", "config"),
+    [
+        (True, "tetris-paper", {"temperature": 1.0}),
+        (False, "tetris-paper", {"temperature": 1.0}),
+        (True, "fixed", {"temperature": 0.7, "top_k": 5}),
+    ],
+)
+def test_tree_sampling_follows_target_distribution(
+    sampling_pair,  # noqa: F811
+    sampled_children: bool,
+    selector_name: str,
+    config: dict[str, float],
+) -> None:
+    """Chi-square goodness of fit (alpha = 0.001 per test, fixed seed) of the first two tokens
+    (jointly) and the third token against the exact target distribution; the tree is
+    depth 2 x branch 2 x width 2 (MAX_NEW = 3 caps the depth at 2)."""
+    target, draft = sampling_pair
+    width = max(len(p) for p in PROMPTS)
+    ids = torch.full((len(PROMPTS) * ROWS_PER_PROMPT, width), PAD_ID)
+    mask = torch.zeros_like(ids)
+    for i, prompt in enumerate(PROMPTS):
+        ids[i::2, width - len(prompt) :] = torch.tensor(prompt)
+        mask[i::2, width - len(prompt) :] = 1
+    selector = make_selector("tetris", k=3, extra=1, estimator=None, guard=False)
+    if selector_name == "fixed":
+        selector = make_selector("fixed", k=3)
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=selector,
+        max_new_tokens=3,
+        do_sample=True,
+        eos_token_id=[],
+        generator=torch.Generator().manual_seed(4321),
+        tree=TreeSpec(depth=3, branch=2, width=2, sampled_children=sampled_children),
+        **config,
+    )
+    totals = out.stats.totals
+    # Siblings share one accepted slot, so tree VSR is lower than a chain's.
+    assert 0.1 < totals.vsr < 0.95, "the fixture must exercise both acceptance and rejection"
+    assert max(int(v.max()) for v in out.stats.accepted_per_step) == 2
+    new = out.sequences[:, width:]
+    for i, prompt in enumerate(PROMPTS):
+        joint, third = exact_distributions(target, prompt, config)
+        rows = new[i::2]
+        observed_joint = torch.bincount(rows[:, 0] * VOCAB + rows[:, 1], minlength=VOCAB**2)
+        assert chi_square_pvalue(observed_joint, joint) > ALPHA
+        assert chi_square_pvalue(torch.bincount(rows[:, 2], minlength=VOCAB), third) > ALPHA
+
+
+@pytest.mark.parametrize("field", ["depth", "branch", "width"])
+@pytest.mark.parametrize(("value", "error"), [(0, ValueError), (-1, ValueError), (1.5, TypeError)])
+def test_tree_spec_rejects_bad_sizes(field: str, value: object, error: type) -> None:
+    sizes: dict[str, object] = {"depth": 2, "branch": 2, "width": 2, field: value}
+    with pytest.raises(error, match=f"TreeSpec.{field}"):
+        TreeSpec(**sizes)  # type: ignore[arg-type]
+
+
+def test_tree_spec_counts_nodes() -> None:
+    assert TreeSpec(4, 2, 2).num_nodes == 2 + 3 * 2 * 2
+    assert TreeSpec(3, 1, 3).num_nodes == 3  # a chain
+    assert TreeSpec(3, 2, 3).level_sizes() == (2, 4, 6)  # the first frontier has only 2 nodes
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: make_selector("dsd", max_k=4), TypeError, "supports_trees"),
+        (lambda: make_selector("heuristic"), TypeError, "supports_trees"),
+    ],
+)
+def test_tree_mode_rejects_selectors_it_cannot_serve(make, error: type, match: str) -> None:
+    target, draft, ids, mask, _, _ = case("llama", 0)
+    with pytest.raises(error, match=match):
+        speculative_generate(target, draft, ids, mask, selector=make(), tree=TREE)
+
+
+def test_tree_mode_rejects_bad_tree_arguments() -> None:
+    target, draft, ids, mask, _, _ = case("llama", 0)
+    selector = SELECTORS["fixed"]()
+    with pytest.raises(TypeError, match="tree must be a TreeSpec"):
+        speculative_generate(target, draft, ids, mask, selector=selector, tree=(2, 2, 2))
+    with pytest.raises(ValueError, match="branch"):
+        speculative_generate(target, draft, ids, mask, selector=selector, tree=TreeSpec(2, 999, 1))
+
+
+def test_tree_mode_needs_maskable_attention() -> None:
+    target = tiny_model("llama", 0)
+    draft = tiny_model("llama", 1)
+    draft.config._attn_implementation = "flash_attention_2"
+    ids, mask = left_padded_prompts(2, 1, 4, GREEDY_VOCAB, 0)
+    with pytest.raises(ValueError, match="tree masks"):
+        speculative_generate(target, draft, ids, mask, selector=SELECTORS["fixed"](), tree=TREE)
