@@ -198,6 +198,8 @@ def test_compare_live_mode(model_dirs: dict[str, Path], tmp_path: Path) -> None:
             "2",
             "--max-new-tokens",
             "6",
+            "--tree",
+            "2,2,1",
             "--quiet",
             "--no-plots",
         ]
@@ -205,7 +207,13 @@ def test_compare_live_mode(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     assert code == 0, stderr
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     kinds = {r["selector"]: r["goodput_kind"] for r in rows}
-    assert kinds == {"fixed": "measured", "tetris": "measured", "oracle": "modelled"}
+    assert kinds == {
+        "fixed": "measured",
+        "fixed tree(2,2,1)": "measured",  # tree vs flat at the same budget, measured live
+        "tetris": "measured",
+        "tetris tree(2,2,1)": "measured",
+        "oracle": "modelled",
+    }
     for row in rows:  # greedy live runs emit exactly what the traces hold
         assert row["metrics"]["emitted"] == 3 * 6
         assert row["metrics"]["seconds"] > 0
@@ -266,6 +274,11 @@ def _bad_inputs(dirs: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
         "max new tokens": (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         "bad mode": (["--mode", "fast"], "invalid choice"),
         "not a trace file": (["--traces", str(tmp / "other.pt")], "not a specselect trace file"),
+        "tree without live": ([*models, *prompts, "--tree", "3,2,2"], "--tree needs --mode live"),
+        "bad tree": (["--tree", "3,0,2", "--mode", "live"], "TreeSpec.branch must be >= 1"),
+        "tree not a triple": (["--tree", "3,2"], "DEPTH,BRANCH,WIDTH"),
+        "unknown estimator": ([*models, *prompts, "--selectors", "tetris+magic"], "'magic'"),
+        "estimator on fixed": ([*models, *prompts, "--selectors", "fixed+history"], "no estimator"),
     }
 
 
@@ -289,6 +302,11 @@ BAD_CASES = [
     "max new tokens",
     "bad mode",
     "not a trace file",
+    "tree without live",
+    "bad tree",
+    "tree not a triple",
+    "unknown estimator",
+    "estimator on fixed",
 ]
 
 

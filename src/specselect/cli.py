@@ -83,6 +83,19 @@ def _name_list(text: str) -> list[str]:
     return names
 
 
+def _tree_spec(text: str) -> Any:
+    """``"4,2,2"`` -> ``TreeSpec(depth=4, branch=2, width=2)`` (argparse type)."""
+    from specselect.hf.tree_draft import TreeSpec
+
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError("--tree expects DEPTH,BRANCH,WIDTH, e.g. 4,2,2")
+    try:
+        return TreeSpec(*(int(p) for p in parts))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive(option: str) -> Any:
     """An argparse ``type`` for one integer >= 1."""
 
@@ -176,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="replay",
         help="replay: exact greedy replay with modelled goodput (default); live: run "
         "speculative_generate and measure wall-clock goodput",
+    )
+    run.add_argument(
+        "--tree",
+        type=_tree_spec,
+        default=None,
+        metavar="DEPTH,BRANCH,WIDTH",
+        help="live mode only: also run every tree-capable selector (tetris, fixed) with a draft "
+        "tree of this shape per request, at the same budget, next to its chain rows",
     )
     run.add_argument("--device", default="cpu", help="torch device for the models")
     run.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype")
@@ -383,6 +404,7 @@ def live_totals(
     slots: int,
     max_new_tokens: int,
     cost_model: CostModel,
+    tree: Any = None,
 ) -> Totals:
     """Run ``speculative_generate`` for real over the prompts in static batches of ``slots``.
 
@@ -408,6 +430,7 @@ def live_totals(
             do_sample=False,
             eos_token_id=_NO_EOS,
             pad_token_id=0,
+            tree=tree,
         )
         seconds += time.perf_counter() - began
         steps.extend(output.stats.steps)
@@ -439,6 +462,8 @@ def run_compare(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     torch.manual_seed(args.seed)
     check_model_args(args)
+    if args.tree is not None and args.mode != "live":
+        raise UsageError("--tree needs --mode live: recorded traces hold chains, not trees")
     try:
         configs = selector_grid(_selector_names(args), args.k, args.extra, args.budget)
     except ValueError as exc:
@@ -507,6 +532,15 @@ def _live_rows(
             inputs, prompt_ids, config, args.slots, args.max_new_tokens, cost_model
         )
         rows.append(_row(config, totals, "measured"))
+        if args.tree is not None and config.build().supports_trees:
+            tree_totals = live_totals(
+                inputs, prompt_ids, config, args.slots, args.max_new_tokens, cost_model, args.tree
+            )
+            tree = args.tree
+            label = replace(
+                config, name=f"{config.name} tree({tree.depth},{tree.branch},{tree.width})"
+            )
+            rows.append(_row(label, tree_totals, "measured"))
     return rows
 
 
