@@ -427,3 +427,19 @@ def test_heuristic_reset_rows_restarts_only_those_rows() -> None:
         selector.reset_rows(torch.tensor([0, 1, 0]))
     with pytest.raises(ValueError, match="rows"):
         selector.reset_rows(torch.tensor([True, False]))
+
+
+def test_dsd_probes_when_a_window_of_zero_looks_best() -> None:
+    """A window of 0 verifies nothing, so the estimate could never recover; DSD probes with one
+    token every other interval, and good probes bring the window back."""
+    cost = CostModel(draft_coef=(5e-3, 0.0, 0.0), verify_coef=(1.5e-2, 0.0, 0.0))
+    selector = DSDSelector(max_k=4, cost_model=cost, interval=4, alpha0=0.01)
+    windows = []
+    for _ in range(12):
+        window = selector.draft_length(2)
+        windows.append(window)
+        selection = selector.select(torch.zeros(2, window))
+        selector.update(selection, selection.lengths)  # everything verified is accepted
+    assert windows[:4] == [0, 0, 0, 0]  # the prior says drafting does not pay
+    assert windows[4:8] == [1, 1, 1, 1]  # a probe interval
+    assert min(windows[8:]) >= 1  # the probes were all accepted: drafting pays after all

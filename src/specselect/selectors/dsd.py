@@ -147,6 +147,7 @@ class DSDSelector(Selector):
         self._alpha_host = self.alpha0  # the value the window is currently chosen from
         self._calls = 0  # draft_length calls since reset
         self._window: int | None = None  # the last window returned by draft_length
+        self._probe = False  # this interval probes with window 1 instead of 0
 
     def draft_length(self, num_active: int) -> int:
         """The goodput-optimal window for ``num_active`` requests.
@@ -155,13 +156,28 @@ class DSDSelector(Selector):
         call after it: the one host sync of this selector.
         """
         check_int("num_active", num_active)
-        if self._calls % self.interval == 0 and self._alpha is not None:
+        rechoose = self._calls % self.interval == 0
+        if rechoose and self._alpha is not None:
             self._alpha_host = float(self._alpha)  # the documented periodic sync
         self._calls += 1
-        self._window = best_window(
+        window = best_window(
             self._alpha_host, num_active, self.max_k, self.cost_model, self.context
         )
-        return self._window
+        if window == 0 and self._probing(rechoose):
+            window = 1
+        self._window = window
+        return window
+
+    def _probing(self, rechoose: bool) -> bool:
+        """Whether this interval verifies one token per request although 0 looks best.
+
+        A window of 0 verifies nothing, so the acceptance estimate would never change again and
+        the choice would be final. Every other interval spent at 0 therefore probes with a
+        window of 1, so that fresh acceptance evidence keeps arriving.
+        """
+        if rechoose:
+            self._probe = not self._probe and self._window == 0
+        return self._probe
 
     def acceptance_estimate(self) -> float:
         """The current EMA of the acceptance rate (reads the device value: a sync; diagnostics)."""
