@@ -75,11 +75,13 @@ class RequestHistory(AcceptanceEstimator):
         self._hits: Tensor | None = None  # [B, S] decayed accepted tokens per time scale
         self._trials: Tensor | None = None  # [B, S] decayed tested tokens
         self._batch_rate: Tensor | None = None  # 0-dim running acceptance rate of all requests
+        self._estimated: tuple[Tensor, Tensor | None, Tensor, Tensor] | None = None
 
     def reset_rows(self, rows: Tensor) -> None:
         if self._hits is None or self._trials is None:
             return
         rows = check_rows(rows, self._hits.shape[0]).unsqueeze(1)
+        self._estimated = None  # the features of these rows change
         self._hits = torch.where(rows, 0.0, self._hits)
         self._trials = torch.where(rows, 0.0, self._trials)
 
@@ -116,8 +118,22 @@ class RequestHistory(AcceptanceEstimator):
 
     def estimate(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
         weights = self._state(draft_logprobs.shape[0], draft_logprobs.device)[0]
-        p = torch.sigmoid(self._features(draft_logprobs, positions) @ weights)
+        features = self._features(draft_logprobs, positions)
+        p = torch.sigmoid(features @ weights)
+        # A selector learns from the very tensors it estimated: keep the work for ``learn``.
+        self._estimated = (draft_logprobs, positions, features, p)
         return clamp_log(p, draft_logprobs > float("-inf"))
+
+    def _features_and_probs(
+        self, draft_logprobs: Tensor, positions: Tensor | None, weights: Tensor
+    ) -> tuple[Tensor, Tensor]:  # ([B, K, F], [B, K])
+        """Features and probabilities of these tokens, reused from :meth:`estimate` if it just
+        saw the same tensors (nothing it depends on changes in between)."""
+        cached = self._estimated
+        if cached is not None and cached[0] is draft_logprobs and cached[1] is positions:
+            return cached[2], cached[3]
+        features = self._features(draft_logprobs, positions)
+        return features, torch.sigmoid(features @ weights)
 
     def learn(
         self,
@@ -129,8 +145,8 @@ class RequestHistory(AcceptanceEstimator):
         weights, hits, trials, batch_rate = self._state(
             draft_logprobs.shape[0], draft_logprobs.device
         )
-        features = self._features(draft_logprobs, positions)  # [B, K, F]
-        p = torch.sigmoid(features @ weights)  # [B, K]
+        features, p = self._features_and_probs(draft_logprobs, positions, weights)
+        self._estimated = None
         error = (p - passed.to(p.dtype)) * tested.to(p.dtype)  # [B, K]
         count = tested.sum().clamp(min=1).to(p.dtype)
         gradient = (error.unsqueeze(2) * features).sum(dim=(0, 1)) / count  # [F]
