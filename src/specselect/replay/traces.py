@@ -1,0 +1,421 @@
+"""Greedy traces: the :class:`Traces` container, its file format, and recording.
+
+A trace holds, per request, the target's greedy output ``y[0:T]`` and, at every output position
+``t``, the draft's ``max_k``-token greedy continuation of ``prompt + y[:t]`` with the
+log-probability of each drafted token; the run lengths (:func:`match_runs`) are derived from
+them. :func:`record_traces` records them from a target/draft pair (see :mod:`specselect.replay`
+for why one recording per prompt replays any selector exactly); :func:`save_traces` and
+:func:`load_traces` store them in one ``.pt`` file.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specselect._checks import check_int, check_tensor
+
+TRACE_FORMAT = "specselect-traces"
+TRACE_VERSION = 1
+
+__all__ = [
+    "TRACE_FORMAT",
+    "TRACE_VERSION",
+    "Traces",
+    "greedy_continue",
+    "left_pad",
+    "load_traces",
+    "match_runs",
+    "record_traces",
+    "save_traces",
+    "traces_summary",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Traces
+# --------------------------------------------------------------------------------------------
+
+
+def match_runs(draft_tokens: Tensor, output_ids: Tensor) -> Tensor:
+    """Leading drafted tokens that equal the target's output, per position.
+
+    Args:
+        draft_tokens: ``[N, T, K]`` int64 — the draft's continuation from each position ``t``.
+        output_ids: ``[N, T]`` int64 — the target's greedy output.
+
+    Returns:
+        ``[N, T]`` int64 ``run[n, t] = max j`` with ``draft_tokens[n, t, :j] == output_ids[n,
+        t:t + j]``. Positions past the end of the output never match, so a run never claims a
+        token the request cannot emit.
+    """
+    n, length, width = draft_tokens.shape
+    pad = torch.full((n, width), -1, dtype=output_ids.dtype, device=output_ids.device)
+    padded = torch.cat([output_ids, pad], dim=1)  # [N, T + K]
+    # target[n, t, j] = output[n, t + j] (or -1 past the end)
+    target = padded.unfold(1, width, 1)[:, :length]  # [N, T, K]
+    matches = (draft_tokens == target).to(torch.int64)
+    return matches.cumprod(dim=2).sum(dim=2)
+
+
+@dataclass(frozen=True)
+class Traces:
+    """Greedy traces of ``N`` requests, each ``T = max_new_tokens`` tokens long.
+
+    Attributes:
+        prompt_ids: ``N`` 1-D int64 tensors, the prompts (used for context lengths).
+        output_ids: ``[N, T]`` int64, the target's greedy output (EOS does not stop it).
+        draft_tokens: ``[N, T, K_max]`` int64, the draft's greedy continuation at each position.
+        draft_logprobs: ``[N, T, K_max]`` float32, the draft's log-probability of each of them.
+        meta: JSON-compatible description (models, dtype, versions, ...).
+    """
+
+    prompt_ids: list[Tensor]
+    output_ids: Tensor  # [N, T] int64
+    draft_tokens: Tensor  # [N, T, K_max] int64
+    draft_logprobs: Tensor  # [N, T, K_max] float32
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_tensor("output_ids", self.output_ids, rank=2)
+        check_tensor("draft_tokens", self.draft_tokens, rank=3)
+        check_tensor("draft_logprobs", self.draft_logprobs, rank=3)
+        n, length = self.output_ids.shape
+        if self.draft_tokens.shape[:2] != (n, length):
+            raise ValueError(
+                f"draft_tokens must have shape [{n}, {length}, K_max] to match output_ids, got "
+                f"{tuple(self.draft_tokens.shape)}"
+            )
+        if self.draft_logprobs.shape != self.draft_tokens.shape:
+            raise ValueError(
+                f"draft_logprobs must have the shape of draft_tokens "
+                f"{tuple(self.draft_tokens.shape)}, got {tuple(self.draft_logprobs.shape)}"
+            )
+        if not self.draft_logprobs.is_floating_point():
+            raise TypeError(
+                f"draft_logprobs must be floating point, got {self.draft_logprobs.dtype}"
+            )
+        if len(self.prompt_ids) != n:
+            raise ValueError(
+                f"prompt_ids must hold {n} prompts (one per request), got {len(self.prompt_ids)}"
+            )
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.output_ids.shape[0])
+
+    @property
+    def max_new_tokens(self) -> int:
+        return int(self.output_ids.shape[1])
+
+    @property
+    def max_k(self) -> int:
+        return int(self.draft_tokens.shape[2])
+
+    @cached_property
+    def runs(self) -> Tensor:
+        """``[N, T]`` int64 run lengths (see :func:`match_runs`), derived, never stored apart."""
+        return match_runs(self.draft_tokens, self.output_ids)
+
+    @cached_property
+    def prompt_lengths(self) -> Tensor:
+        """``[N]`` int64 prompt lengths."""
+        return torch.tensor([int(p.numel()) for p in self.prompt_ids], dtype=torch.int64)
+
+    def subset(self, indices: Sequence[int]) -> Traces:
+        """The traces of the requests ``indices``, in that order."""
+        index = torch.as_tensor(list(indices), dtype=torch.int64)
+        return Traces(
+            prompt_ids=[self.prompt_ids[i] for i in index.tolist()],
+            output_ids=self.output_ids[index],
+            draft_tokens=self.draft_tokens[index],
+            draft_logprobs=self.draft_logprobs[index],
+            meta=dict(self.meta),
+        )
+
+
+def save_traces(traces: Traces, path: str | Path) -> Path:
+    """Write ``traces`` to one ``.pt`` file (plain tensors, lists and JSON-like metadata)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "format": TRACE_FORMAT,
+        "version": TRACE_VERSION,
+        # A JSON round trip turns str subclasses (torch.__version__) and paths into plain
+        # strings, which weights_only unpickling accepts.
+        "meta": json.loads(json.dumps(traces.meta, default=str)),
+        "prompt_ids": [p.to(torch.int64).cpu() for p in traces.prompt_ids],
+        "output_ids": traces.output_ids.cpu(),
+        "draft_tokens": traces.draft_tokens.cpu(),
+        "draft_logprobs": traces.draft_logprobs.cpu(),
+    }
+    torch.save(payload, path)
+    return path
+
+
+def load_traces(path: str | Path) -> Traces:
+    """Read a file written by :func:`save_traces` (safely: ``weights_only`` unpickling).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is not a specselect trace file of a supported version.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace file {str(path)!r} does not exist")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for corrupt or foreign files
+        raise ValueError(f"{str(path)!r} is not a readable trace file: {exc}") from None
+    if not isinstance(payload, dict) or payload.get("format") != TRACE_FORMAT:
+        raise ValueError(f"{str(path)!r} is not a specselect trace file")
+    if payload.get("version") != TRACE_VERSION:
+        raise ValueError(
+            f"{str(path)!r} has trace format version {payload.get('version')!r}; this "
+            f"specselect reads version {TRACE_VERSION}"
+        )
+    return Traces(
+        prompt_ids=list(payload["prompt_ids"]),
+        output_ids=payload["output_ids"],
+        draft_tokens=payload["draft_tokens"],
+        draft_logprobs=payload["draft_logprobs"],
+        meta=dict(payload["meta"]),
+    )
+
+
+def traces_summary(traces: Traces) -> dict[str, Any]:
+    """Draft/target agreement in the traces (what bounds every selector), JSON-compatible."""
+    runs = traces.runs.to(torch.float64)
+    first = (runs >= 1).to(torch.float64)
+    return {
+        "requests": traces.num_requests,
+        "max_new_tokens": traces.max_new_tokens,
+        "max_k": traces.max_k,
+        "greedy_agreement": float(first.mean()) if first.numel() else 0.0,
+        "mean_run": float(runs.mean()) if runs.numel() else 0.0,
+        "mean_prompt_tokens": float(traces.prompt_lengths.double().mean()),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Recording
+# --------------------------------------------------------------------------------------------
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def left_pad(
+    sequences: Sequence[Tensor], device: torch.device | str = "cpu", pad_token_id: int = 0
+) -> tuple[Tensor, Tensor]:
+    """Left-pad 1-D int64 sequences: ``([b, L] ids, [b, L] int64 attention mask)``.
+
+    Left padding is the layout HF ``generate`` and ``speculative_generate`` expect, so that
+    every row's next token sits in the last column.
+    """
+    width = max(int(s.numel()) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros(len(sequences), width, dtype=torch.int64)
+    for row, seq in enumerate(sequences):
+        n = int(seq.numel())
+        if n:
+            ids[row, width - n :] = seq
+            mask[row, width - n :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+@torch.inference_mode()
+def greedy_continue(
+    model: torch.nn.Module, contexts: Sequence[Tensor], steps: int
+) -> tuple[Tensor, Tensor]:
+    """Greedy continuation of a batch of contexts, with the log-probability of each token.
+
+    Why a loop of our own rather than ``model.generate``: ``generate`` applies the model's
+    generation config (EOS stopping, logits processors), which would change what is recorded;
+    here every row runs exactly ``steps`` tokens on raw logits, with the left-padding layout and
+    position ids (``cumsum(mask) - 1``) that ``generate`` and the decoding loop use.
+
+    Args:
+        model: a causal LM returning ``.logits`` and ``.past_key_values``.
+        contexts: ``b`` non-empty 1-D int64 token tensors.
+        steps: tokens to generate per context.
+
+    Returns:
+        ``([b, steps] int64 tokens, [b, steps] float32 log-probs)`` on the CPU.
+    """
+    device = _model_device(model)
+    ids, mask = left_pad(contexts, device)
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    extra = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
+    tokens, logprobs = [], []
+    cache = None
+    step_ids, step_pos = ids, positions
+    for _ in range(steps):
+        out = model(
+            input_ids=step_ids,
+            attention_mask=mask,
+            position_ids=step_pos,
+            past_key_values=cache,
+            use_cache=True,
+            **extra,
+        )
+        cache = out.past_key_values
+        logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)  # [b, V]
+        token = logp.argmax(dim=-1)  # [b]
+        tokens.append(token)
+        logprobs.append(logp.gather(1, token.unsqueeze(1)).squeeze(1))
+        step_ids = token.unsqueeze(1)
+        step_pos = step_pos[:, -1:] + 1
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    if not tokens:
+        empty = torch.zeros(len(contexts), 0)
+        return empty.to(torch.int64), empty
+    return torch.stack(tokens, dim=1).cpu(), torch.stack(logprobs, dim=1).cpu()
+
+
+def _chunked_continue(
+    model: torch.nn.Module,
+    contexts: Sequence[Tensor],
+    steps: int,
+    batch_size: int,
+    progress: Callable[[int], None] | None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`greedy_continue` over many contexts, in length-sorted chunks (less padding)."""
+    order = sorted(range(len(contexts)), key=lambda i: int(contexts[i].numel()))
+    tokens = torch.zeros(len(contexts), steps, dtype=torch.int64)
+    logprobs = torch.zeros(len(contexts), steps, dtype=torch.float32)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        tok, lp = greedy_continue(model, [contexts[i] for i in chunk], steps)
+        index = torch.tensor(chunk, dtype=torch.int64)
+        tokens[index] = tok
+        logprobs[index] = lp
+        if progress is not None:
+            progress(len(chunk))
+    return tokens, logprobs
+
+
+def _describe_model(model: torch.nn.Module) -> dict[str, Any]:
+    config = getattr(model, "config", None)
+    return {
+        "name_or_path": str(getattr(config, "_name_or_path", "") or type(model).__name__),
+        "class": type(model).__name__,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def _versions() -> dict[str, str]:
+    import specselect
+
+    versions = {
+        "specselect": specselect.__version__,
+        "torch": str(torch.__version__),
+        "python": platform.python_version(),
+    }
+    try:
+        import transformers
+
+        versions["transformers"] = transformers.__version__
+    except ImportError:  # recording works with any module that behaves like an HF causal LM
+        pass
+    return versions
+
+
+def _as_prompt(prompt: Tensor | Sequence[int], index: int) -> Tensor:
+    t = torch.as_tensor(prompt, dtype=torch.int64).reshape(-1).cpu()
+    if t.numel() == 0:
+        raise ValueError(f"prompts[{index}] is empty; every prompt needs at least one token")
+    return t
+
+
+def record_traces(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    prompts: Sequence[Tensor | Sequence[int]],
+    max_new_tokens: int,
+    max_k: int,
+    *,
+    batch_size: int = 128,
+    progress: bool = False,
+    meta: dict[str, Any] | None = None,
+) -> Traces:
+    """Record greedy traces of ``prompts`` (see :mod:`specselect.replay`).
+
+    Two passes: the target's greedy output for all prompts (batched, left-padded), then the
+    draft's ``max_k``-token greedy continuation from *every* position ``prompt + output[:t]`` —
+    ``N * T`` contexts batched together (sorted by length, ``batch_size`` per forward), so the
+    draft runs ``max_k`` passes per chunk instead of one generation per position.
+
+    Args:
+        target: causal LM whose greedy output the traces record (HF ``PreTrainedModel``).
+        draft: causal LM sharing the target's tokenizer.
+        prompts: ``N`` prompts as token ids (1-D tensors or lists), not padded.
+        max_new_tokens: ``T``, the output length of every request (EOS does not stop it).
+        max_k: draft tokens recorded per position (the largest window any replayed selector may
+            ask for).
+        batch_size: contexts per draft forward pass.
+        progress: show a tqdm progress bar.
+        meta: extra JSON-compatible metadata stored with the traces.
+    """
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
+    check_int("max_k", max_k, minimum=1)
+    check_int("batch_size", batch_size, minimum=1)
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty; record_traces needs at least one prompt")
+    prompt_ids = [_as_prompt(p, i) for i, p in enumerate(prompts)]
+    n = len(prompt_ids)
+
+    bar = _progress_bar(n + n * max_new_tokens, "recording traces", progress)
+    output_ids, _ = _chunked_continue(
+        target, prompt_ids, max_new_tokens, batch_size, bar.update if bar else None
+    )
+    contexts = [
+        torch.cat([prompt_ids[i], output_ids[i, :t]])
+        for i in range(n)
+        for t in range(max_new_tokens)
+    ]
+    draft_tokens, draft_logprobs = _chunked_continue(
+        draft, contexts, max_k, batch_size, bar.update if bar else None
+    )
+    if bar is not None:
+        bar.close()
+    info = {
+        "target": _describe_model(target),
+        "draft": _describe_model(draft),
+        "max_new_tokens": max_new_tokens,
+        "max_k": max_k,
+        "num_requests": n,
+        "eos_stops": False,
+        "versions": _versions(),
+        **(meta or {}),
+    }
+    return Traces(
+        prompt_ids=prompt_ids,
+        output_ids=output_ids,
+        draft_tokens=draft_tokens.reshape(n, max_new_tokens, max_k),
+        draft_logprobs=draft_logprobs.reshape(n, max_new_tokens, max_k),
+        meta=info,
+    )
+
+
+def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="seq", leave=False)
