@@ -5,6 +5,12 @@ average with ``extra = min(4, K // 2)`` (``K = 4, 8, 16`` give ``k = 2, 4, 12``)
 budget is ``C = k * B``. The other selectors get windows of the same size: fixed ``k``, DSD and
 threshold ``max_k = K``, heuristic ``k0 = k``, ``max_k = K``.
 
+Columns: ``tetris`` is the paper's selector through ``select`` (argument checks included), on
+CPU with the fused kernel of :mod:`specselect.native` when it could be built;
+``tetris_pytorch`` the same with the fused kernel turned off (the PyTorch kernel that also
+runs on accelerators and under ``torch.compile``); ``tetris_kernel`` the selection without the
+argument checks; ``tetris+history`` the default selector (estimator and guard).
+
 The reference formulation is what TETRIS computes, written the obvious way: cumulative
 log-probabilities, a flattened ``topk(C)`` and a per-row count (``bincount``). The table also
 shows it with ``topk(sorted=False)`` and, when ``torch_scatter`` is importable, with the count
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specselect import native
 from specselect.selection import Selector, chain_scores
 from specselect.selectors import SELECTORS
 
@@ -113,6 +120,8 @@ def make_methods(cfg: Config, logprobs: Tensor) -> dict[str, Callable[[], object
         methods[name] = _bind(selector.select, logprobs)
         if name == "tetris":  # the kernel alone, without the argument checks of ``select``
             methods["tetris_kernel"] = _bind(selector._select, logprobs, None)
+            if native.available() and cfg.device == "cpu":
+                methods["tetris_pytorch"] = _without_fused_kernel(selector.select, logprobs)
             default = SELECTORS["tetris"](k=cfg.k, extra=cfg.extra)  # history estimator + guard
             methods["tetris+history"] = _bind(default.select, logprobs)
     return methods
@@ -129,6 +138,14 @@ def build(name: str, cfg: Config) -> Selector | None:
 
 def _bind(fn: Callable[..., object], *args: object) -> Callable[[], object]:
     return lambda: fn(*args)
+
+
+def _without_fused_kernel(fn: Callable[..., object], *args: object) -> Callable[[], object]:
+    def call() -> object:
+        with native.disabled():
+            return fn(*args)
+
+    return call
 
 
 def time_methods(
@@ -243,6 +260,7 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
         f"torch_scatter {'yes' if scatter_max is not None else 'no'}"
     )
+    print(f"selection kernel on CPU: {native.status()}")
     if args.profile:
         for device in args.devices:
             profile_tetris(device, 1024, 16)

@@ -8,6 +8,7 @@ hand-worked tie cases, and the reference formulation ``cumsum -> topk(C) -> per-
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import active_masks, logprob_matrices, logprob_values, paper_tetris, random_logprobs
-from specselect import FixedWindowSelector, top_c_mask
+from specselect import FixedWindowSelector, native, top_c_mask
 from specselect.selection import cheapest_mask
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -124,6 +125,16 @@ def test_top_c_mask_matches_sorted_order(
     scores = torch.cumsum(logprobs, dim=1).to(dtype)
     budget = data.draw(st.integers(0, scores.numel() + 2), label="budget")
     assert torch.equal(top_c_mask(scores, budget), sorted_order_mask(scores, budget))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-if-available", "pytorch"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
+def test_top_c_mask_takes_strided_scores(fused: bool, dtype: torch.dtype) -> None:
+    """A transposed (non-contiguous) view selects like its contiguous copy."""
+    scores = random_logprobs(6, 9, seed=11).cumsum(dim=1).t().to(dtype)  # [9, 6], strided
+    with contextlib.nullcontext() if fused else native.disabled():
+        strided = top_c_mask(scores, 20)
+    assert torch.equal(strided, sorted_order_mask(scores.contiguous(), 20))
 
 
 @SETTINGS

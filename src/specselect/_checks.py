@@ -71,7 +71,7 @@ def check_logprobs(name: str, value: object, *, rank: int = 2) -> Tensor:
         raise TypeError(
             f"{name} must be a floating-point tensor of log-probabilities, got {t.dtype}"
         )
-    if _values_checkable(t) and t.numel() and not bool(t.max() <= 0):  # NaN fails too
+    if _values_checkable(t) and t.numel() and not t.max().item() <= 0:  # NaN fails too
         if bool(torch.isnan(t).any()):
             raise ValueError(f"{name} contains NaN; expected log-probabilities in [-inf, 0]")
         if bool(torch.isposinf(t).any()):

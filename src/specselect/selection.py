@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
+from specselect import native
 from specselect._checks import (
     check_active,
     check_counts,
@@ -85,7 +86,7 @@ def chain_scores(draft_logprobs: Tensor) -> Tensor:
         least float32 so that long chains of half-precision inputs do not lose their order.
     """
     dtype = torch.promote_types(draft_logprobs.dtype, torch.float32)
-    return draft_logprobs.to(dtype).cumsum(dim=1)
+    return draft_logprobs.cumsum(dim=1, dtype=dtype)
 
 
 def available_lengths(draft_logprobs: Tensor) -> Tensor:
@@ -154,6 +155,38 @@ def cheapest_mask(
     Returns:
         ``[B, N]`` bool mask.
 
+    Float32 CPU costs in eager mode go to the fused kernel of :mod:`specselect.native` when it
+    is available; everything else (accelerators, ``torch.compile``, other dtypes) runs
+    :func:`cheapest_mask_torch`. Both give the same mask.
+    """
+    return _cheapest(costs, budget, nonnegative, keep)[0]
+
+
+def cheapest_selection(
+    costs: Tensor, budget: int, *, nonnegative: bool = False, keep: Tensor | None = None
+) -> Selection:
+    """:func:`cheapest_mask` as a :class:`Selection`: the mask and each row's count (``[B]``).
+
+    The fused CPU kernel counts while it writes the mask, which saves a reduction.
+    """
+    mask, counts = _cheapest(costs, budget, nonnegative, keep)
+    return Selection(lengths=mask.sum(dim=1) if counts is None else counts, mask=mask)
+
+
+def _cheapest(
+    costs: Tensor, budget: int, nonnegative: bool, keep: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """``([B, N] mask, [B] counts or None)``: the fused kernel if it serves, else PyTorch."""
+    if 0 < budget < costs.numel() and native.usable_for(costs, keep):
+        return native.cheapest_mask(costs, budget, keep)
+    return cheapest_mask_torch(costs, budget, nonnegative=nonnegative, keep=keep), None
+
+
+def cheapest_mask_torch(
+    costs: Tensor, budget: int, *, nonnegative: bool = False, keep: Tensor | None = None
+) -> Tensor:
+    """:func:`cheapest_mask` in PyTorch operators only: any device, capturable, compilable.
+
     How: every entry gets a distinct int64 code ordered by (cost, column, row); the
     ``budget``-th smallest code is found with ``kthvalue`` and everything up to it is taken. As
     the codes are distinct, exactly ``budget`` entries pass, ties included, without a tie pass.
@@ -169,7 +202,7 @@ def cheapest_mask(
         return _keep_rows(_cheapest_mask_float64(costs.to(torch.float64), budget), keep)
     codes = _ranking_codes(costs, nonnegative=nonnegative)
     # Clamp: if fewer than ``budget`` entries are available, stop before the never-selected.
-    kth = torch.kthvalue(codes.view(-1), budget).values.clamp_(max=_NEVER_CODE - 1)
+    kth = torch.kthvalue(codes.reshape(-1), budget).values.clamp_(max=_NEVER_CODE - 1)
     if keep is None:
         return codes <= kth
     # One broadcast comparison instead of a comparison and a broadcast ``&``.

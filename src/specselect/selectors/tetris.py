@@ -19,7 +19,7 @@ from specselect.selection import (
     Selector,
     cached_constant,
     chain_scores,
-    cheapest_mask,
+    cheapest_selection,
 )
 from specselect.selectors.fixed import FixedWindowSelector
 from specselect.tree import path_sums
@@ -87,35 +87,36 @@ class TetrisSelector(Selector):
 
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
         # Work with costs (|cumulative log q|, >= +0): abs also turns a -0.0 into +0.0, which is
-        # what lets ``cheapest_mask`` skip its sign handling.
-        mask = self._best(chain_scores(draft_logprobs).abs_(), active)
-        return self._guarded(mask, lambda: self._fallback._select(draft_logprobs, active))
+        # what lets ``cheapest_selection`` skip its sign handling.
+        best = self._best(chain_scores(draft_logprobs).abs_(), active)
+        return self._guarded(best, lambda: self._fallback._select(draft_logprobs, active))
 
     def _select_tree(
         self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor
     ) -> Selection:
-        mask = self._best(path_sums(draft_logprobs, parents).abs_(), active)
+        best = self._best(path_sums(draft_logprobs, parents).abs_(), active)
         return self._guarded(
-            mask, lambda: self._fallback._select_tree(draft_logprobs, active, parents)
+            best, lambda: self._fallback._select_tree(draft_logprobs, active, parents)
         )
 
-    def _guarded(self, mask: Tensor, fallback: Callable[[], Selection]) -> Selection:
-        """``mask`` (``[B, K]``), or standard SD's selection while the guard distrusts the scores.
+    def _guarded(self, best: Selection, fallback: Callable[[], Selection]) -> Selection:
+        """``best``, or standard SD's selection while the guard distrusts the scores.
 
         Both are computed and one is picked on the device: no sync, static shapes.
         """
-        if self.guard is not None:
-            mask = torch.where(self.guard.trusted(mask.device), mask, fallback().mask)
+        if self.guard is None:
+            return best
+        mask = torch.where(self.guard.trusted(best.mask.device), best.mask, fallback().mask)
         return Selection(lengths=mask.sum(dim=1), mask=mask)
 
-    def _best(self, costs: Tensor, active: Tensor | None) -> Tensor:
-        """``[B, K]`` mask of the ``C`` cheapest entries of ``costs`` (``[B, K]``, >= +0)."""
+    def _best(self, costs: Tensor, active: Tensor | None) -> Selection:
+        """The ``C`` cheapest entries of ``costs`` (``[B, K]``, >= +0), as a selection."""
         rows, width = costs.shape
         budget = self.k * rows if self.budget is None else self.budget
         if active is not None:
             pad = min(self.k, width) if self.budget is None else 0
             costs = _absorb_inactive(costs, active, pad)
-        return cheapest_mask(costs, budget, nonnegative=True, keep=active)
+        return cheapest_selection(costs, budget, nonnegative=True, keep=active)
 
     def _update(self, selection: Selection, num_accepted: Tensor) -> None:
         if self.guard is not None and self.last_scores is not None:
