@@ -91,7 +91,8 @@ def _tree_spec(text: str) -> Any:
     if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
         raise argparse.ArgumentTypeError("--tree expects DEPTH,BRANCH,WIDTH, e.g. 4,2,2")
     try:
-        return TreeSpec(*(int(p) for p in parts))
+        depth, branch, width = (int(p) for p in parts)
+        return TreeSpec(depth, branch, width)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -11,7 +11,9 @@ the one Python was built with, else ``cc``) and compiles in well under a second 
 it is needed; the shared library is cached under ``$SPECSELECT_CACHE_DIR`` (default
 ``~/.cache/specselect``), keyed by the source, the compiler and the platform. Without a
 compiler, the PyTorch kernel runs instead: the results are identical (the tests compare the
-two), only slower; :func:`status` says which one is in use and why.
+two), only slower; :func:`status` says which one is in use and why. The build happens inside
+the first selection that needs it; a server that cannot afford that pause on its first step
+calls :func:`available` at start-up.
 
 The fused kernel serves float32 CPU tensors in eager mode only. Under ``torch.compile``, on
 accelerators and on meta tensors the PyTorch kernel runs, which keeps selection capturable.
@@ -126,7 +128,9 @@ def _load() -> None:
     try:
         library = _build()
         function = ctypes.CDLL(str(library)).specselect_cheapest_mask
-    except (OSError, subprocess.SubprocessError) as error:
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
+        # OSError: no compiler, unwritable cache, unloadable library; RuntimeError: no home
+        # directory; AttributeError: a library without the kernel's symbol.
         _State.reason = f"fused kernel unavailable ({error}); using the PyTorch kernel"
         _LOG.warning("specselect: %s", _State.reason)
         return
@@ -151,7 +155,7 @@ def _compiler() -> list[str]:
 
 def _build() -> Path:
     """Compile ``_native/cheapest.c`` into the cache unless an identical build is there."""
-    source = resources.files("specselect").joinpath("_native", _SOURCE).read_bytes()
+    source = (resources.files("specselect") / "_native" / _SOURCE).read_bytes()
     compiler = _compiler()
     key = hashlib.sha256(
         b"\0".join(

@@ -69,7 +69,8 @@ def causal_logprobs(
     if parents is None:
         from specselect.tree import chain_parents
 
-        parents = chain_parents(*token_logprobs.shape, device=token_logprobs.device)
+        rows, width = token_logprobs.shape
+        parents = chain_parents(rows, width, device=token_logprobs.device)
     from specselect.tree import path_reduce, sibling_rank
 
     tokens = token_logprobs.to(torch.promote_types(token_logprobs.dtype, torch.float32))

@@ -157,10 +157,12 @@ class RaggedCache:
         valid = self.valid if rows is None else self.valid.index_select(0, rows)
         columns = _left_padded_columns(valid, width)  # [B', width]
         for layer in self.kv.layers:
-            if layer.keys is None or layer.keys.numel() == 0:
+            assert isinstance(layer, DynamicLayer)  # check_layers() admits no other kind
+            keys, values = layer.keys, layer.values  # a DynamicLayer sets both or neither
+            if keys is None or values is None or keys.numel() == 0:
                 continue
-            layer.keys = _gather_kv(layer.keys, rows, columns)
-            layer.values = _gather_kv(layer.values, rows, columns)
+            layer.keys = _gather_kv(keys, rows, columns)
+            layer.values = _gather_kv(values, rows, columns)
         self.valid = valid.gather(1, columns)
         if rows is not None:
             self.count = self.count.index_select(0, rows)

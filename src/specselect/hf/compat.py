@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sized
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -32,6 +33,12 @@ from torch import nn
 MASKABLE_ATTENTION = ("sdpa", "eager")
 _REQUIRED_FORWARD_ARGS = ("past_key_values", "attention_mask", "position_ids")
 _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+class _VocabConfig(Protocol):
+    """The part of a HuggingFace model config that :func:`logits_width` reads directly."""
+
+    vocab_size: int
 
 
 def check_causal_lm(name: str, model: object) -> nn.Module:
@@ -113,7 +120,10 @@ def input_device(model: nn.Module) -> torch.device:
     With accelerate's ``device_map`` the layers may sit on several devices; the embedding is the
     first one, and the rest of the model moves activations itself.
     """
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    # Optional methods are read with getattr: torch types unknown Module attributes as
+    # ``Tensor | Module``, and a model that is not a PreTrainedModel may lack them.
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if get_embeddings is not None else None
     weight = getattr(embeddings, "weight", None)
     if isinstance(weight, torch.Tensor):
         return weight.device
@@ -122,14 +132,17 @@ def input_device(model: nn.Module) -> torch.device:
 
 def logits_width(model: nn.Module) -> int:
     """Size of the last dimension of ``model``'s logits (rows of its output embedding)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
     weight = getattr(head, "weight", None)
     if isinstance(weight, torch.Tensor):
         return int(weight.shape[0])
-    text_config = (
-        model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
-    )
-    return int((text_config or model.config).vocab_size)
+    # torch's stubs type every Module attribute not declared on nn.Module as Tensor | Module;
+    # a HuggingFace model stores its config as a plain attribute.
+    config: _VocabConfig = model.config  # type: ignore[assignment]
+    get_text_config = getattr(config, "get_text_config", None)
+    text_config = get_text_config() if get_text_config is not None else None
+    return int((text_config or config).vocab_size)
 
 
 def supports_logits_to_keep(model: nn.Module) -> bool:

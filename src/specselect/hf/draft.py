@@ -151,7 +151,9 @@ class ChainDrafter:
             )
             empty = torch.zeros(batch, 0, device=device)
             return DraftChain(empty.to(torch.int64), empty, probs)
-        tokens, logprobs, probs = [], [], []
+        tokens: list[Tensor] = []
+        logprobs: list[Tensor] = []
+        step_probs: list[Tensor] = []  # one [B, V] per pass (sampling only)
         feed, feed_valid, depth = self.backlog, self.backlog_valid, None
         base = self.backlog_valid.sum(dim=1, keepdim=True)  # [B, 1] depth of the first draft token
         for j in range(k):
@@ -168,12 +170,13 @@ class ChainDrafter:
             )
             tokens.append(token)
             logprobs.append(logprob)
-            probs.append(prob)
+            if prob is not None:
+                step_probs.append(prob)
             if j + 1 < k:
                 feed, depth = token.unsqueeze(1), base + j
                 feed_valid = torch.ones_like(feed, dtype=torch.bool)
         self._last = tokens[-1]
-        stacked = torch.stack(probs, dim=1) if self.params.do_sample else None
+        stacked = torch.stack(step_probs, dim=1) if self.params.do_sample else None
         return DraftChain(torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), stacked)
 
     def advance(self, k: int, num_accepted: Tensor, next_token: Tensor) -> None:

@@ -174,7 +174,10 @@ class TreeDrafter(ChainDrafter):
             after = torch.zeros(batch, nodes + 1, self.vocab, device=device)
         fed_ids = torch.zeros(batch, 0, dtype=torch.int64, device=device)
         frontier = torch.full((batch, 1), -1, dtype=torch.int64, device=device)  # [B, F] parents
-        tokens, logprobs, parents, scores = [], [], [], []
+        tokens: list[Tensor] = []  # per level: [B, size] int64
+        logprobs: list[Tensor] = []  # per level: [B, size]
+        parents: list[Tensor] = []  # per level: [B, size] int64
+        scores: list[Tensor] = []  # per level: [B, size]
         offset = 0
         for level, size in enumerate(sizes, start=1):
             token, logprob, probs = pick_children(

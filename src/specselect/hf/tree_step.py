@@ -42,6 +42,7 @@ class TreeSteps(StepState):
         """
         start = time.perf_counter()
         assert self.tree is not None and isinstance(self.drafter, TreeDrafter)
+        sampled = self.drafter.sampled  # children drawn independently from q
         most = max(self.options.max_new_tokens - self.generated_host[r] for r in self.row_ids)
         depth = min(self.tree.depth, most - 1)  # deeper nodes could not be emitted by any row
         draft = (
@@ -52,7 +53,7 @@ class TreeSteps(StepState):
         buffers = build_tree_buffers(draft.parents)
         selection: Selection | None = None
         if depth > 0:
-            scores = self._mask_unemittable_nodes(draft, buffers, self._tree_scores(draft))
+            scores = self._mask_unemittable_nodes(draft, buffers, self._tree_scores(draft, sampled))
             selection = self.selector.select(
                 self._to_full(scores, NEG_INF),
                 self.active_full,
@@ -71,7 +72,7 @@ class TreeSteps(StepState):
         order = torch.sort((~selected).to(torch.uint8), dim=1, stable=True).indices
         order = order[:, : width - 1]  # [B_a, W - 1]
         logits = self._tree_target_pass(draft, buffers, selected, order)
-        verdict = self._tree_verify(draft, buffers, selected, logits, order, depth)
+        verdict = self._tree_verify(draft, buffers, selected, logits, order, depth, sampled)
         nodes = torch.arange(draft.tokens.shape[1], device=self.device)
         on_path = (nodes.view(1, -1, 1) == verdict.path.unsqueeze(1)).any(dim=2)  # [B_a, N]
         root = torch.ones_like(lengths, dtype=torch.bool).unsqueeze(1)
@@ -105,11 +106,11 @@ class TreeSteps(StepState):
             probs = torch.zeros(rows, 1, self.target.vocab, device=self.device)
         return DraftTree(none, none.float(), none, none, probs)
 
-    def _tree_scores(self, draft: DraftTree) -> Tensor:  # -> [B_a, N]
+    def _tree_scores(self, draft: DraftTree, sampled: bool) -> Tensor:  # -> [B_a, N]
         """Node scores for the selector: causal ones for sampled children (see
         :func:`~specselect.hf.chain_step._selection_scores`); raw log q for deterministic
-        (top-k) children."""
-        if not self.drafter.sampled:
+        (top-k) children. ``sampled`` is the drafter's :attr:`TreeDrafter.sampled`."""
+        if not sampled:
             return draft.logprobs
         assert draft.probs is not None
         expected = expected_self_logprob(draft.probs)  # [B_a, N + 1]
@@ -165,6 +166,7 @@ class TreeSteps(StepState):
         logits: Tensor,  # [B_a, W, V]
         order: Tensor,  # [B_a, W - 1] int64
         depth: int,
+        sampled: bool,  # the drafter's TreeDrafter.sampled
     ) -> TreeVerdict:
         """Greedy path matching or lossless tree sampling on the target's block output."""
         values = logits if not self.params.do_sample else self.params.probs(logits)
@@ -184,7 +186,7 @@ class TreeSteps(StepState):
             buffers,
             draft.probs,
             full,
-            sampled_children=self.drafter.sampled,
+            sampled_children=sampled,
             max_depth=depth,
             max_children=self.tree.branch,
             generator=self.generator,

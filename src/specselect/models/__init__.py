@@ -104,7 +104,9 @@ def load_tiny_pair(
             local_files_only=True,
             attn_implementation=attn_implementation,
         )
-        .to(device)
+        # transformers decorates PreTrainedModel.to with functools.wraps, whose typeshed stub
+        # (_Wrapped) does not bind ``self``, so mypy checks ``device`` against ``self``.
+        .to(device)  # type: ignore[arg-type]
         .eval()
         for name in ("target", "draft")
     )
