@@ -254,3 +254,34 @@ def test_tree_update_needs_the_accepted_path() -> None:
     selector.update(
         selection, torch.tensor([1]), accepted_nodes=torch.tensor([[True, False, False]])
     )
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_history_model_matches_the_dense_feature_matrix(tree: bool) -> None:
+    """The factored linear model and gradient equal ``sigmoid(X @ w)`` and ``sum(err * X)`` over
+    the full ``[B, K, F]`` feature matrix ``[1, logit(q_cal), logit(rate_s)..., position/8]``."""
+    from specselect.estimators.history import _gradient
+
+    gen = torch.Generator().manual_seed(7)
+    estimator = RequestHistory()
+    logprobs = torch.rand(ROWS, WIDTH, generator=gen).log()
+    positions = torch.randint(0, 4, (ROWS, WIDTH), generator=gen) if tree else None
+    run_stream(estimator, lambda q, rows: q.sqrt(), steps=5)  # non-trivial weights and rates
+    weights = estimator._state(ROWS, logprobs.device)[0]
+    features = estimator._features(logprobs, positions)
+    scales = features.history.shape[1]
+    dense = torch.cat(
+        [
+            torch.ones(ROWS, WIDTH, 1),
+            features.calibrated.unsqueeze(2),
+            features.history.unsqueeze(1).expand(ROWS, WIDTH, scales),
+            features.position.expand(ROWS, WIDTH).unsqueeze(2),
+        ],
+        dim=2,
+    )
+    probs = estimator._probabilities(features, weights)
+    torch.testing.assert_close(probs, torch.sigmoid(dense @ weights))
+    error = torch.randn(ROWS, WIDTH, generator=gen)
+    torch.testing.assert_close(
+        _gradient(error, features), (error.unsqueeze(2) * dense).sum(dim=(0, 1))
+    )

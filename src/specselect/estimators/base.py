@@ -91,6 +91,12 @@ class DraftProbability(AcceptanceEstimator):
         pass
 
 
+def logit(p: Tensor) -> Tensor:
+    """``log(p / (1 - p))`` with ``p`` clamped to ``[EPS, 1 - EPS]`` (finite everywhere)."""
+    p = p.clamp(EPS, 1 - EPS)
+    return p.log() - (-p).log1p()
+
+
 def clamp_log(p: Tensor, finite: Tensor) -> Tensor:
     """``log p`` with ``p`` clamped to ``[EPS, 1 - EPS]``; ``-inf`` where not ``finite``."""
     return torch.where(finite, p.clamp(EPS, 1 - EPS).log(), float("-inf"))

@@ -34,22 +34,22 @@ class RankingGuard:
         self.reset()
 
     def reset(self) -> None:
-        self._passed: Tensor | None = None  # [BINS] decayed histogram of estimates that passed
-        self._failed: Tensor | None = None  # [BINS] ... that failed
+        # [2, BINS] decayed histograms of the estimates that passed (row 0) and failed (row 1)
+        self._histograms: Tensor | None = None
 
-    def _state(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        if self._passed is None or self._failed is None or self._passed.device != device:
-            self._passed = torch.zeros(BINS, device=device)
-            self._failed = torch.zeros(BINS, device=device)
-        return self._passed, self._failed
+    def _state(self, device: torch.device) -> Tensor:
+        if self._histograms is None or self._histograms.device != device:
+            self._histograms = torch.zeros(2, BINS, device=device)
+        return self._histograms
 
     def observe(self, estimates: Tensor, tested: Tensor, passed: Tensor) -> None:
         """``[B, K]`` estimated log-probabilities and the step's tested / passed masks."""
-        hist_pass, hist_fail = self._state(estimates.device)
-        p = estimates.exp().nan_to_num(0.0)
-        cells = (p * BINS).to(torch.int64).clamp(0, BINS - 1).reshape(-1)
-        hist_pass.mul_(self.decay).index_add_(0, cells, (tested & passed).reshape(-1).float())
-        hist_fail.mul_(self.decay).index_add_(0, cells, (tested & ~passed).reshape(-1).float())
+        histograms = self._state(estimates.device)
+        cells = (estimates.exp() * BINS).to(torch.int64).clamp_(0, BINS - 1)  # [B, K]
+        # One scatter for both histograms: failing tokens land in the second row.
+        cells = cells.add_(passed.logical_not(), alpha=BINS).reshape(-1)
+        weights = tested.reshape(-1).to(histograms.dtype)
+        histograms.mul_(self.decay).view(-1).index_add_(0, cells, weights)
 
     def auc(self, device: torch.device | str = "cpu") -> Tensor:
         """0-dim AUC of the recent estimates (0.5 when either histogram is empty)."""
@@ -61,6 +61,5 @@ class RankingGuard:
 
     def trusted(self, device: torch.device | str = "cpu") -> Tensor:
         """0-dim bool: enough observations and AUC >= ``min_auc``."""
-        hist_pass, hist_fail = self._state(torch.device(device))
-        enough = hist_pass.sum() + hist_fail.sum() >= self.min_observations
+        enough = self._state(torch.device(device)).sum() >= self.min_observations
         return enough & (self.auc(device) >= self.min_auc)

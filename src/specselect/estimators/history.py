@@ -3,23 +3,46 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from specselect.estimators.base import (
-    EPS,
     AcceptanceEstimator,
     check_rows,
     clamp_log,
-    default_positions,
+    logit,
 )
 from specselect.estimators.calibrated import CalibratedDraft, _check_unit
+from specselect.selection import cached_constant
 
 
-def _logit(p: Tensor) -> Tensor:
-    p = p.clamp(EPS, 1 - EPS)
-    return p.log() - (-p).log1p()
+class _Features(NamedTuple):
+    """The model's features ``[1, logit(calibrated q), logit(rate) per time scale, position/8]``
+    in factored form."""
+
+    calibrated: Tensor  # [B, K] logit of the calibrated probability
+    history: Tensor  # [B, S] logit of each time scale's acceptance rate of the row's request
+    position: Tensor  # [K] (chains) or [B, K] (trees): position / 8
+
+
+def _scaled_columns(width: int, device: torch.device) -> Tensor:
+    return torch.arange(width, device=device, dtype=torch.float32) / 8
+
+
+def _gradient(error: Tensor, features: _Features) -> Tensor:
+    """``[F]``: ``sum_{b,k} error[b, k] * feature[b, k, :]`` (unnormalised log-loss gradient),
+    one feature group at a time; ``error`` is ``[B, K]``."""
+    per_row = error.sum(dim=1)  # [B]
+    return torch.cat(
+        [
+            per_row.sum().unsqueeze(0),
+            (error * features.calibrated).sum().unsqueeze(0),
+            per_row @ features.history,  # [S]
+            (error * features.position).sum().unsqueeze(0),
+        ]
+    )
 
 
 class RequestHistory(AcceptanceEstimator):
@@ -75,7 +98,7 @@ class RequestHistory(AcceptanceEstimator):
         self._hits: Tensor | None = None  # [B, S] decayed accepted tokens per time scale
         self._trials: Tensor | None = None  # [B, S] decayed tested tokens
         self._batch_rate: Tensor | None = None  # 0-dim running acceptance rate of all requests
-        self._estimated: tuple[Tensor, Tensor | None, Tensor, Tensor] | None = None
+        self._estimated: tuple[Tensor, Tensor | None, _Features, Tensor] | None = None
 
     def reset_rows(self, rows: Tensor) -> None:
         if self._hits is None or self._trials is None:
@@ -98,42 +121,47 @@ class RequestHistory(AcceptanceEstimator):
             self._trials = torch.zeros(batch, scales, device=device)
         return self._weights, self._hits, self._trials, self._batch_rate
 
-    def _features(self, draft_logprobs: Tensor, positions: Tensor | None) -> Tensor:
-        """``[B, K, F]`` features of each token (see the class docstring)."""
+    def _features(self, draft_logprobs: Tensor, positions: Tensor | None) -> _Features:
+        """The features of each token (see the class docstring), kept factored: the history
+        features are per row and the position feature per column, so that no ``[B, K, F]``
+        tensor is ever built."""
         _, hits, trials, batch_rate = self._state(draft_logprobs.shape[0], draft_logprobs.device)
-        calibrated = self.calibration.probabilities(draft_logprobs, positions)  # [B, K]
+        calibrated = self.calibration.logits(draft_logprobs, positions)  # [B, K]
         rates = (hits + self.strength * batch_rate) / (trials + self.strength)  # [B, S]
-        rows, width = calibrated.shape
-        history = _logit(rates).unsqueeze(1).expand(rows, width, -1)  # [B, K, S]
-        position = default_positions(draft_logprobs, positions).to(torch.float32) / 8
-        return torch.cat(
-            [
-                torch.ones_like(calibrated).unsqueeze(2),
-                _logit(calibrated).unsqueeze(2),
-                history,
-                position.unsqueeze(2),
-            ],
-            dim=2,
-        )
+        if positions is None:  # chains: one position per column
+            position = cached_constant(
+                ("history_positions", draft_logprobs.shape[1], draft_logprobs.device),
+                _scaled_columns,
+            )
+        else:
+            position = positions.to(torch.float32) / 8
+        return _Features(calibrated, logit(rates), position)
+
+    def _probabilities(self, features: _Features, weights: Tensor) -> Tensor:
+        """``[B, K]`` sigmoid of the linear model, summed feature group by feature group."""
+        scales = len(self.request_decays)
+        row_terms = torch.addmv(weights[0], features.history, weights[2 : 2 + scales])  # [B]
+        base = features.position * weights[-1] + row_terms.unsqueeze(1)  # [B, K]
+        return torch.sigmoid(torch.addcmul(base, features.calibrated, weights[1]))
 
     def estimate(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
         weights = self._state(draft_logprobs.shape[0], draft_logprobs.device)[0]
         features = self._features(draft_logprobs, positions)
-        p = torch.sigmoid(features @ weights)
+        p = self._probabilities(features, weights)
         # A selector learns from the very tensors it estimated: keep the work for ``learn``.
         self._estimated = (draft_logprobs, positions, features, p)
         return clamp_log(p, draft_logprobs > float("-inf"))
 
     def _features_and_probs(
         self, draft_logprobs: Tensor, positions: Tensor | None, weights: Tensor
-    ) -> tuple[Tensor, Tensor]:  # ([B, K, F], [B, K])
-        """Features and probabilities of these tokens, reused from :meth:`estimate` if it just
-        saw the same tensors (nothing it depends on changes in between)."""
+    ) -> tuple[_Features, Tensor]:
+        """Features and ``[B, K]`` probabilities of these tokens, reused from :meth:`estimate`
+        if it just saw the same tensors (nothing it depends on changes in between)."""
         cached = self._estimated
         if cached is not None and cached[0] is draft_logprobs and cached[1] is positions:
             return cached[2], cached[3]
         features = self._features(draft_logprobs, positions)
-        return features, torch.sigmoid(features @ weights)
+        return features, self._probabilities(features, weights)
 
     def learn(
         self,
@@ -149,7 +177,7 @@ class RequestHistory(AcceptanceEstimator):
         self._estimated = None
         error = (p - passed.to(p.dtype)) * tested.to(p.dtype)  # [B, K]
         count = tested.sum().clamp(min=1).to(p.dtype)
-        gradient = (error.unsqueeze(2) * features).sum(dim=(0, 1)) / count  # [F]
+        gradient = _gradient(error, features) / count  # [F]
         self._weights = weights - self.lr * gradient
         step_hits = (tested & passed).sum(dim=1, keepdim=True).to(hits.dtype)  # [B, 1]
         step_trials = tested.sum(dim=1, keepdim=True).to(trials.dtype)
