@@ -165,3 +165,19 @@ def test_loader_builds_once_and_reuses_the_cache(
     monkeypatch.setattr(native._State, "loaded", False)
     monkeypatch.setattr(native.subprocess, "run", no_compiler)
     assert native.available()
+
+
+@pytest.mark.parametrize(
+    ("costs", "keep", "name"),
+    [
+        (torch.rand(4, 4, dtype=torch.float64), None, "costs"),
+        (torch.rand(16), None, "costs"),
+        (torch.rand(4, 4), torch.ones(4, dtype=torch.int64), "keep"),
+        (torch.rand(4, 4), torch.ones(3, dtype=torch.bool), "keep"),
+    ],
+)
+def test_fused_kernel_rejects_what_it_cannot_read(
+    fused: None, costs: torch.Tensor, keep: torch.Tensor | None, name: str
+) -> None:
+    with pytest.raises(ValueError, match=name):
+        native.cheapest_mask(costs, 2, keep)
