@@ -11,9 +11,6 @@ acceptance paths of the loop untested.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import torch
 from torch import Tensor
 from transformers import (
@@ -33,19 +30,6 @@ EOS_ID = 1
 BOS_ID = 2
 ARCHS = ("llama", "gpt2")  # rotary and learned absolute positions: the main test matrix
 MORE_ARCHS = ("qwen2", "mistral", "opt")  # checked more lightly
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread() -> Iterator[None]:
-    """Run the tiny models on one intra-op thread (import this fixture into a test module).
-
-    Their matrices are so small that a second thread only adds synchronisation; on a loaded
-    2-core machine, spinning threads made each forward pass 20-40x slower.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_model(

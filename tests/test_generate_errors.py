@@ -10,9 +10,8 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, MistralConfig, MistralForCausalLM
 
-from hf_models import (  # noqa: F401  (single_thread is an autouse fixture)
+from hf_models import (
     left_padded_prompts,
-    single_thread,
     tiny_model,
     tiny_pair,
 )

@@ -15,13 +15,12 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from hf_models import (  # noqa: F401  (single_thread is an autouse fixture)
+from hf_models import (
     ARCHS,
     MORE_ARCHS,
     PAD_ID,
     left_padded_prompts,
     noisy_copy,
-    single_thread,
     tiny_model,
     tiny_pair,
 )

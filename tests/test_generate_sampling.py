@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from hf_models import PAD_ID, single_thread, tiny_pair  # noqa: F401  (autouse fixture)
+from hf_models import PAD_ID, tiny_pair
 from specselect import make_selector
 from specselect.hf import speculative_generate
 

@@ -12,11 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from hf_models import (  # noqa: F401  (single_thread is an autouse fixture)
+from hf_models import (
     ARCHS,
     PAD_ID,
     left_padded_prompts,
-    single_thread,
     tiny_model,
 )
 from specselect import make_selector

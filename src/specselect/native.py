@@ -89,6 +89,7 @@ def usable_for(costs: Tensor, keep: Tensor | None) -> bool:
         not _State.suspended
         and costs.device.type == "cpu"
         and costs.dtype == torch.float32
+        and costs.numel() < 2**31  # the kernel's histograms count in 32 bits
         and (keep is None or keep.device.type == "cpu")
         and not costs.requires_grad
         and not torch.compiler.is_compiling()

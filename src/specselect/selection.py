@@ -71,8 +71,12 @@ class Selection:
 
 def prefix_mask(lengths: Tensor, width: int) -> Tensor:
     """``[B, width]`` bool mask with the first ``lengths[i]`` entries of row ``i`` set."""
-    positions = torch.arange(width, device=lengths.device)
-    return positions.unsqueeze(0) < lengths.unsqueeze(1)
+    columns = cached_constant(("columns", width, lengths.device), _columns)  # [1, width]
+    return columns < lengths.unsqueeze(1)
+
+
+def _columns(width: int, device: torch.device) -> Tensor:
+    return torch.arange(width, device=device).unsqueeze(0)
 
 
 def chain_scores(draft_logprobs: Tensor) -> Tensor:
@@ -91,7 +95,7 @@ def chain_scores(draft_logprobs: Tensor) -> Tensor:
 
 def available_lengths(draft_logprobs: Tensor) -> Tensor:
     """``[B]`` int64: drafted tokens before the first ``-inf`` (the selectable prefix)."""
-    return (draft_logprobs > NEG_INF).to(torch.int64).cumprod(dim=1).sum(dim=1)
+    return (draft_logprobs > NEG_INF).cumprod(dim=1).sum(dim=1)  # bool cumprod gives int64
 
 
 def top_c_mask(scores: Tensor, budget: int) -> Tensor:
