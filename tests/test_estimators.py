@@ -256,32 +256,54 @@ def test_tree_update_needs_the_accepted_path() -> None:
     )
 
 
+def _logit(p: torch.Tensor) -> torch.Tensor:
+    p = p.clamp(1e-4, 1 - 1e-4)
+    return torch.log(p / (1 - p))
+
+
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_history_model_matches_the_dense_feature_matrix(tree: bool) -> None:
-    """The factored linear model and gradient equal ``sigmoid(X @ w)`` and ``sum(err * X)`` over
-    the full ``[B, K, F]`` feature matrix ``[1, logit(q_cal), logit(rate_s)..., position/8]``."""
-    from specselect.estimators.history import _gradient
-
+    """Estimates and one learning step equal the model written densely from its definition:
+    ``X = [1, logit(q_cal), logit(rate_s)..., position / 8]`` (``[B, K, F]``),
+    ``p = sigmoid(X @ w)``, ``w -= lr * sum(tested * (p - passed) * X) / tested.sum()``."""
     gen = torch.Generator().manual_seed(7)
     estimator = RequestHistory()
+    run_stream(estimator, lambda q, rows: q.sqrt(), steps=5)  # non-trivial weights and rates
     logprobs = torch.rand(ROWS, WIDTH, generator=gen).log()
     positions = torch.randint(0, 4, (ROWS, WIDTH), generator=gen) if tree else None
-    run_stream(estimator, lambda q, rows: q.sqrt(), steps=5)  # non-trivial weights and rates
-    weights = estimator._state(ROWS, logprobs.device)[0]
-    features = estimator._features(logprobs, positions)
-    scales = features.history.shape[1]
+    depth = torch.arange(WIDTH).expand(ROWS, WIDTH) if positions is None else positions
+    strength, rate = estimator.strength, estimator._batch_rate
+    rates = (estimator._hits + strength * rate) / (estimator._trials + strength)  # [B, S]
     dense = torch.cat(
         [
             torch.ones(ROWS, WIDTH, 1),
-            features.calibrated.unsqueeze(2),
-            features.history.unsqueeze(1).expand(ROWS, WIDTH, scales),
-            features.position.expand(ROWS, WIDTH).unsqueeze(2),
+            _logit(estimator.calibration.probabilities(logprobs, positions)).unsqueeze(2),
+            _logit(rates).unsqueeze(1).expand(ROWS, WIDTH, rates.shape[1]),
+            (depth.to(torch.float32) / 8).unsqueeze(2),
         ],
         dim=2,
     )
-    probs = estimator._probabilities(features, weights)
-    torch.testing.assert_close(probs, torch.sigmoid(dense @ weights))
-    error = torch.randn(ROWS, WIDTH, generator=gen)
+    weights = estimator._weights.clone()
+    p = torch.sigmoid(dense @ weights)
     torch.testing.assert_close(
-        _gradient(error, features), (error.unsqueeze(2) * dense).sum(dim=(0, 1))
+        estimator.estimate(logprobs, positions), p.clamp(1e-4, 1 - 1e-4).log()
     )
+    tested = torch.rand(ROWS, WIDTH, generator=gen) < 0.7
+    passed = tested & (torch.rand(ROWS, WIDTH, generator=gen) < 0.5)
+    estimator.learn(logprobs, tested, passed, positions)
+    error = (p - passed.float()) * tested.float()
+    gradient = (error.unsqueeze(2) * dense).sum(dim=(0, 1)) / tested.sum()
+    torch.testing.assert_close(estimator._weights, weights - estimator.lr * gradient)
+
+
+@pytest.mark.parametrize("name", ["calibrated", "history"])
+def test_estimates_follow_an_input_buffer_refilled_in_place(name: str) -> None:
+    """Loops with static buffers (CUDA graphs) refill one tensor every step: no estimate may
+    come from a cache keyed on the tensor's identity."""
+    reused, fresh = ESTIMATORS[name](), ESTIMATORS[name]()
+    for estimator in (reused, fresh):
+        run_stream(estimator, under_confident, steps=3)
+    buffer = torch.full((ROWS, WIDTH), -3.0)
+    reused.estimate(buffer)
+    buffer.fill_(-0.01)
+    torch.testing.assert_close(reused.estimate(buffer), fresh.estimate(buffer.clone()))

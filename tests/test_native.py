@@ -14,18 +14,22 @@ import logging
 import math
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from conftest import paper_tetris, random_logprobs
-from specselect import native
+from specselect import native, top_c_mask
 from specselect.selection import cheapest_mask_torch, cheapest_selection
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-COST_POOL = [0.0, -0.0, 0.5, 1.0, 3.0, -0.5, -3.0, math.inf, -math.inf]
+# NaN (either sign: -NaN's sign bit would rank it first in a naive code) is never selected.
+COST_POOL = [0.0, -0.0, 0.5, 1.0, 3.0, -0.5, -3.0, math.inf, -math.inf, math.nan, -math.nan]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,9 @@ def test_fused_kernel_matches_pytorch_kernel(fused: None, data: st.DataObject) -
     costs = torch.tensor(values, dtype=torch.float32).reshape(rows, cols)
     budget = data.draw(st.integers(0, rows * cols + 2), label="budget")
     keep = data.draw(st.none() | st.lists(st.booleans(), min_size=rows, max_size=rows))
-    assert_kernels_agree(costs, budget, None if keep is None else torch.tensor(keep))
+    keep_rows = None if keep is None else torch.tensor(keep)
+    assert_kernels_agree(costs, budget, keep_rows)
+    assert not native.cheapest_mask(costs, budget, keep_rows)[0][costs.isnan()].any()
 
 
 @pytest.mark.parametrize("levels", [None, 7, 1])  # continuous, seven values, all equal
@@ -181,3 +187,52 @@ def test_fused_kernel_rejects_what_it_cannot_read(
 ) -> None:
     with pytest.raises(ValueError, match=name):
         native.cheapest_mask(costs, 2, keep)
+
+
+def test_tracing_and_fake_tensors_never_reach_the_fused_kernel(fused: None) -> None:
+    """ctypes reads raw memory: fake tensors have none, and tracers would not record the call
+    (a traced graph would bake one input's mask in as a constant)."""
+    with FakeTensorMode():
+        fake = top_c_mask(torch.randn(4, 5), 3)  # would write through a null pointer
+    assert isinstance(fake, FakeTensor) and fake.shape == (4, 5)
+    traced = make_fx(lambda s: top_c_mask(s, 3))(torch.randn(4, 5))
+    batch = torch.randn(2, 4, 5)
+    for scores in batch:
+        assert torch.equal(traced(scores), top_c_mask(scores, 3))
+    mapped = torch.vmap(lambda s: top_c_mask(s, 3))(batch)
+    assert torch.equal(mapped, torch.stack([top_c_mask(s, 3) for s in batch]))
+
+
+def test_loader_is_thread_safe(fused: None, fresh_loader: None) -> None:
+    """Threads that race to the first use all get the kernel, none a half-loaded state."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda _: native.available(), range(8)))
+    assert all(results)
+
+
+def test_loader_rebuilds_a_corrupt_cached_library(fused: None, fresh_loader: None) -> None:
+    library = native._build()  # built, not loaded (a loaded file must not be overwritten)
+    library.write_bytes(b"not a shared library")
+    assert native.available(), native.status()
+    assert str(library) in native.status()
+    assert_kernels_agree(torch.rand(8, 4), 10, None)
+
+
+def test_loader_falls_back_to_cc_when_pythons_compiler_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A conda Python names its own cross compiler, absent on most machines."""
+    monkeypatch.delenv("CC", raising=False)
+    real = native.sysconfig.get_config_var
+    monkeypatch.setattr(
+        native.sysconfig,
+        "get_config_var",
+        lambda name: "x86_64-conda-linux-gnu-cc -pthread" if name == "CC" else real(name),
+    )
+    monkeypatch.setattr(
+        native.shutil, "which", lambda name: f"/usr/bin/{name}" if name == "gcc" else None
+    )
+    assert native._compiler() == ["gcc"]
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    with pytest.raises(OSError, match="no C compiler"):
+        native._compiler()

@@ -372,6 +372,7 @@ def test_tetris_rejects_bad_arguments(kwargs: dict, error: type, name: str) -> N
         (torch.zeros(4), 1, ValueError, "scores"),
         (torch.zeros(2, 2, dtype=torch.int64), 1, TypeError, "scores"),
         ([[0.0]], 1, TypeError, "scores"),
+        (torch.tensor([[0.5, math.nan]]), 1, ValueError, "scores contains NaN"),
     ],
 )
 def test_top_c_mask_rejects_bad_arguments(scores, budget, error: type, name: str) -> None:

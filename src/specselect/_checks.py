@@ -12,6 +12,8 @@ import numbers
 
 import torch
 from torch import Tensor
+from torch._C._functorch import is_functorch_wrapped_tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 _DEVICE_VALUE_CHECKS = False
 
@@ -27,7 +29,15 @@ def set_device_value_checks(enabled: bool) -> None:
 
 
 def _values_checkable(t: Tensor) -> bool:
-    if torch.compiler.is_compiling() or t.device.type == "meta":
+    """Whether reading ``t``'s values is cheap and possible: a real tensor (not fake, meta or
+    functorch-wrapped), not being traced, on the CPU (or anywhere, if asked for)."""
+    if (
+        torch.compiler.is_compiling()
+        or type(t) is not Tensor
+        or t.device.type == "meta"
+        or _get_current_dispatch_mode() is not None
+        or is_functorch_wrapped_tensor(t)
+    ):
         return False
     return t.device.type == "cpu" or _DEVICE_VALUE_CHECKS
 
@@ -81,6 +91,13 @@ def check_logprobs(name: str, value: object, *, rank: int = 2) -> Tensor:
             f"{name} contains positive values (max {worst:g}); expected log-probabilities in "
             "[-inf, 0]"
         )
+    return t
+
+
+def check_no_nan(name: str, t: Tensor) -> Tensor:
+    """Raise if the floating tensor ``t`` holds a NaN (a value check: see the module doc)."""
+    if _values_checkable(t) and t.numel() and bool(t.isnan().any()):
+        raise ValueError(f"{name} contains NaN")
     return t
 
 

@@ -18,7 +18,9 @@ calls :func:`available` at start-up.
 
 The fused kernel serves float32 CPU tensors in eager mode only. Under ``torch.compile``, on
 accelerators and on meta tensors the PyTorch kernel runs, which keeps selection capturable.
-Set ``SPECSELECT_NATIVE=0`` to never build or use it.
+Set ``SPECSELECT_NATIVE=0`` to never build or use it. One known difference: under
+``torch.set_flush_denormal(True)`` the PyTorch kernel sees subnormal costs as zero, while the
+fused kernel compares their bits (costs from log-probabilities are never subnormal).
 """
 
 from __future__ import annotations
@@ -30,15 +32,20 @@ import logging
 import os
 import platform
 import shlex
+import shutil
+import struct
 import subprocess
 import sysconfig
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch._C._functorch import is_functorch_wrapped_tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["available", "cheapest_mask", "disabled", "status"]
 
@@ -51,10 +58,11 @@ _COMPILE_TIMEOUT_S = 120
 class _State:
     """What loading found (once per process): the kernel function, or why there is none."""
 
+    lock = threading.Lock()  # one loader at a time; guards ``suspended`` too
     loaded = False
     function: Callable[..., int] | None = None
     reason = "not loaded yet"
-    suspended = 0  # depth of ``disabled()`` blocks
+    suspended = 0  # depth of ``disabled()`` blocks, over all threads
 
 
 def available() -> bool:
@@ -76,23 +84,35 @@ def disabled() -> Iterator[None]:
     For comparisons and debugging; selections are the same either way. The switch is
     process-wide (every thread sees it while the block runs).
     """
-    _State.suspended += 1
+    with _State.lock:
+        _State.suspended += 1
     try:
         yield
     finally:
-        _State.suspended -= 1
+        with _State.lock:
+            _State.suspended -= 1
 
 
 def usable_for(costs: Tensor, keep: Tensor | None) -> bool:
-    """Whether :func:`cheapest_mask` may serve these (already checked) arguments."""
+    """Whether :func:`cheapest_mask` may serve these (already checked) arguments.
+
+    Only plain, materialised CPU float32 tensors in eager mode: ctypes reads raw memory, which
+    fake, meta, functorch-wrapped and lazily negated tensors do not have, and which tracers
+    (``torch.compile``, ``make_fx``, ``torch.jit.trace``) would not see.
+    """
     return (
-        not _State.suspended
+        not torch.compiler.is_compiling()  # first: Dynamo cannot trace the checks below
+        and not _State.suspended
+        and type(costs) is Tensor
         and costs.device.type == "cpu"
         and costs.dtype == torch.float32
         and costs.numel() < 2**31  # the kernel's histograms count in 32 bits
-        and (keep is None or keep.device.type == "cpu")
+        and (keep is None or (type(keep) is Tensor and keep.device.type == "cpu"))
         and not costs.requires_grad
-        and not torch.compiler.is_compiling()
+        and not costs.is_neg()
+        and not torch.jit.is_tracing()
+        and _get_current_dispatch_mode() is None
+        and not is_functorch_wrapped_tensor(costs)
         and available()
     )
 
@@ -108,6 +128,7 @@ def cheapest_mask(costs: Tensor, budget: int, keep: Tensor | None = None) -> tup
 
     Call only when :func:`usable_for` says so.
     """
+    _load()
     function = _State.function
     if function is None:
         raise RuntimeError(f"the fused selection kernel is not available: {_State.reason}")
@@ -123,6 +144,8 @@ def cheapest_mask(costs: Tensor, budget: int, keep: Tensor | None = None) -> tup
     mask = torch.empty((rows, cols), dtype=torch.bool)
     counts = torch.empty(rows, dtype=torch.int64)
     keep_ptr = None if keep is None else keep.data_ptr()
+    if costs.numel() and not costs.data_ptr():  # no storage behind it (a fake tensor, say)
+        raise ValueError("costs has no data in memory; the fused kernel needs a real tensor")
     if function(costs.data_ptr(), rows, cols, budget, keep_ptr, mask.data_ptr(), counts.data_ptr()):
         raise MemoryError(f"the fused selection kernel could not allocate {rows * cols} keys")
     return mask, counts
@@ -133,21 +156,37 @@ def _describe(t: Tensor) -> str:
 
 
 def _load() -> None:
-    if _State.loaded:
+    if _State.loaded:  # the common path takes no lock
         return
-    _State.loaded = True
+    with _State.lock:
+        if not _State.loaded:
+            _State.function, _State.reason = _find_kernel()
+            _State.loaded = True
+            if _State.function is None and "SPECSELECT_NATIVE" not in _State.reason:
+                _LOG.warning("specselect: %s", _State.reason)
+
+
+def _find_kernel() -> tuple[Callable[..., int] | None, str]:
+    """The kernel function and a status line, or ``None`` and why there is none."""
     if os.environ.get("SPECSELECT_NATIVE", "1").strip().lower() in {"0", "false", "no", "off"}:
-        _State.reason = "disabled by SPECSELECT_NATIVE=0; using the PyTorch kernel"
-        return
+        return None, "disabled by SPECSELECT_NATIVE=0; using the PyTorch kernel"
     try:
         library = _build()
-        function = ctypes.CDLL(str(library)).specselect_cheapest_mask
+        try:
+            function = _open(library)
+        except (OSError, AttributeError):  # a corrupt or foreign file in the cache: rebuild once
+            library.unlink(missing_ok=True)
+            library = _build()
+            function = _open(library)
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
-        # OSError: no compiler, unwritable cache, unloadable library; RuntimeError: no home
-        # directory; AttributeError: a library without the kernel's symbol.
-        _State.reason = f"fused kernel unavailable ({error}); using the PyTorch kernel"
-        _LOG.warning("specselect: %s", _State.reason)
-        return
+        # OSError: no compiler, unusable cache directory, unloadable library; RuntimeError: no
+        # home directory; AttributeError: a library without the kernel's symbol.
+        return None, f"fused kernel unavailable ({error}); using the PyTorch kernel"
+    return function, f"fused kernel {library}"
+
+
+def _open(library: Path) -> Callable[..., int]:
+    function = ctypes.CDLL(str(library)).specselect_cheapest_mask
     function.restype = ctypes.c_int
     function.argtypes = [
         ctypes.c_void_p,  # costs
@@ -158,29 +197,52 @@ def _load() -> None:
         ctypes.c_void_p,  # mask
         ctypes.c_void_p,  # counts
     ]
-    _State.function = function
-    _State.reason = f"fused kernel {library}"
+    return function
 
 
 def _compiler() -> list[str]:
-    """``$CC``, else the compiler Python was built with, else ``cc`` (as an argument list)."""
-    return shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    """``$CC`` if set; else the first found of the compiler Python was built with, ``cc``,
+    ``gcc`` and ``clang`` (as an argument list)."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    candidates = [sysconfig.get_config_var("CC") or "", "cc", "gcc", "clang"]
+    for candidate in candidates:
+        command = shlex.split(candidate)
+        if command and shutil.which(command[0]):
+            return command
+    raise OSError("no C compiler found (set $CC, or install cc, gcc or clang)")
+
+
+def _cache_dir() -> Path:
+    """``$SPECSELECT_CACHE_DIR``, else ``$XDG_CACHE_HOME/specselect`` (``~/.cache``): made
+    private to this user, and refused if someone else owns it (a library planted there would
+    be loaded into this process)."""
+    explicit = os.environ.get("SPECSELECT_CACHE_DIR")
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    cache = Path(explicit) if explicit else Path(base) / "specselect"
+    cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if hasattr(os, "getuid") and cache.stat().st_uid != os.getuid():
+        raise OSError(f"the cache directory {cache} belongs to another user")
+    return cache
 
 
 def _build() -> Path:
     """Compile ``_native/cheapest.c`` into the cache unless an identical build is there."""
     source = (resources.files("specselect") / "_native" / _SOURCE).read_bytes()
+    if (
+        platform.system() == "Darwin"
+        and subprocess.run(["xcode-select", "-p"], capture_output=True).returncode
+    ):
+        # Without the command-line tools, /usr/bin/cc opens an installer dialog instead.
+        raise OSError("no Xcode command-line tools (xcode-select --install)")
     compiler = _compiler()
     key = hashlib.sha256(
-        b"\0".join(
-            [source, shlex.join(compiler).encode(), shlex.join(_FLAGS).encode(), _platform_tag()]
-        )
+        b"\0".join([source, shlex.join([*compiler, *_FLAGS]).encode(), _platform_tag()])
     ).hexdigest()[:16]
-    cache = Path(os.environ.get("SPECSELECT_CACHE_DIR") or Path.home() / ".cache" / "specselect")
+    cache = _cache_dir()
     library = cache / f"cheapest-{key}.so"
     if library.exists():
         return library
-    cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         source_path = Path(scratch) / _SOURCE
         source_path.write_bytes(source)
@@ -198,4 +260,12 @@ def _build() -> Path:
 
 
 def _platform_tag() -> bytes:
-    return f"{platform.system()}-{platform.machine()}-{platform.python_implementation()}".encode()
+    """What a built library must match besides its source and compiler command."""
+    parts = [
+        sysconfig.get_platform(),
+        platform.machine(),
+        platform.python_implementation(),
+        str(struct.calcsize("P")),  # 32- or 64-bit process
+        "-".join(platform.libc_ver()),  # glibc and musl builds must not share a file
+    ]
+    return "|".join(parts).encode()

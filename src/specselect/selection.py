@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from specselect import native
 from specselect._checks import (
@@ -23,6 +24,7 @@ from specselect._checks import (
     check_counts,
     check_int,
     check_logprobs,
+    check_no_nan,
     check_row_ints,
     check_tensor,
 )
@@ -116,12 +118,14 @@ def top_c_mask(scores: Tensor, budget: int) -> Tensor:
     and sit in lower columns, so they rank strictly before it; the best ``budget`` entries of a
     strict order whose prerequisites always rank first are a closed set.
 
-    The work is one ``kthvalue`` over ``B * N`` entries (a selection, O(n), not a sort), a few
-    elementwise passes, and no host sync; see :func:`cheapest_mask` for how ties cost nothing.
+    The work is a linear-time selection (not a sort) and no host sync; see
+    :func:`cheapest_mask` for the two kernels and how ties cost nothing. NaN scores are an error
+    where values are checked (CPU) and are never selected elsewhere.
     """
     check_tensor("scores", scores, rank=2)
     if not scores.is_floating_point():
         raise TypeError(f"scores must be a floating-point tensor, got {scores.dtype}")
+    check_no_nan("scores", scores)
     budget = check_int("budget", budget)
     return cheapest_mask(scores.neg(), budget, nonnegative=False)
 
@@ -200,13 +204,15 @@ def cheapest_mask_torch(
     n = rows * cols
     if budget <= 0 or n == 0:  # static edge cases: no selection needed
         return torch.zeros(costs.shape, dtype=torch.bool, device=costs.device)
+    if not nonnegative:  # NaN is never selected, like +inf (a NaN's sign bit would rank it first)
+        costs = costs.masked_fill(costs.isnan(), float("inf"))
     if budget >= n:
         return _keep_rows(costs < float("inf"), keep)
     if costs.dtype == torch.float64 or n > 2**_POSITION_BITS:
         return _keep_rows(_cheapest_mask_float64(costs.to(torch.float64), budget), keep)
     codes = _ranking_codes(costs, nonnegative=nonnegative)
     # Clamp: if fewer than ``budget`` entries are available, stop before the never-selected.
-    kth = torch.kthvalue(codes.reshape(-1), budget).values.clamp_(max=_NEVER_CODE - 1)
+    kth = torch.kthvalue(codes.reshape(-1), budget).values.clamp(max=_NEVER_CODE - 1)
     if keep is None:
         return codes <= kth
     # One broadcast comparison instead of a comparison and a broadcast ``&``.
@@ -228,7 +234,7 @@ def cheapest_per_row(costs: Tensor, count: int) -> Tensor:
     if costs.dtype == torch.float64:  # no spare bits for positions: rank in float32
         costs = costs.to(torch.float32)
     codes = _ranking_codes(costs, nonnegative=False)
-    kth = torch.kthvalue(codes, count, dim=1, keepdim=True).values.clamp_(max=_NEVER_CODE - 1)
+    kth = torch.kthvalue(codes, count, dim=1, keepdim=True).values.clamp(max=_NEVER_CODE - 1)
     return codes <= kth
 
 
@@ -262,21 +268,31 @@ def cached_constant(key: tuple[object, ...], build: Callable[..., Tensor]) -> Te
     """``build(*key[1:])``, cached under ``key``: for small constant tensors used every step.
 
     A cached tensor saves a few kernel launches per call; nothing may modify it in place. The
-    cache is bypassed while compiling (the constant then lives in the graph) and while a CUDA
-    graph is being captured: inside a capture the kernel that fills a tensor is only recorded,
-    so a tensor cached then would hold garbage until the graph replays. At most
-    ``_CONSTANTS_SIZE`` entries are kept (oldest dropped first).
+    cache is bypassed while compiling or tracing (the constant then lives in the graph; a fake
+    tensor must never be cached) and while a CUDA graph is being captured: inside a capture
+    the kernel that fills a tensor is only recorded, so a tensor cached then would hold garbage
+    until the graph replays. Once ``_CONSTANTS_SIZE`` entries are held the oldest non-CUDA one
+    is dropped; CUDA entries are kept for good, because a captured graph may read them and does
+    not keep them alive itself.
     """
-    compiling = torch.compiler.is_compiling()
-    cached = None if compiling else _CONSTANTS.get(key)
+    tracing = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+    cached = None if tracing else _CONSTANTS.get(key)
     if cached is not None:
         return cached
     value = build(*key[1:])
-    if not compiling and not _capturing(value.device):
+    if not tracing and type(value) is Tensor and not _capturing(value.device):
         if len(_CONSTANTS) >= _CONSTANTS_SIZE:
-            _CONSTANTS.popitem(last=False)
+            _evict_one()
         _CONSTANTS[key] = value
     return value
+
+
+def _evict_one() -> None:
+    """Drop the oldest cached constant that no CUDA graph can depend on."""
+    for old_key, old_value in _CONSTANTS.items():
+        if old_value.device.type != "cuda":
+            del _CONSTANTS[old_key]
+            return
 
 
 def _capturing(device: torch.device) -> bool:

@@ -30,9 +30,9 @@ static inline uint32_t float_key(float x) {
     uint32_t u;
     memcpy(&u, &x, sizeof u);
     u = (u == 0x80000000u) ? 0u : u;
-    const int32_t magnitude = (int32_t)(u & 0x7FFFFFFFu);
-    const uint32_t key = u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
-    return magnitude > 0x7F800000 ? 0xFFFFFFFFu : key;
+    const uint32_t magnitude = u & 0x7FFFFFFFu;
+    const uint32_t key = u ^ ((0u - (u >> 31)) | 0x80000000u); /* negative: flip all bits */
+    return magnitude > 0x7F800000u ? 0xFFFFFFFFu : key;
 }
 
 /* keys[i] = float_key(costs[i]) for all i: a separate pass because it vectorises. */

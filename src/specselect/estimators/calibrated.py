@@ -55,14 +55,18 @@ class CalibratedDraft(AcceptanceEstimator):
         self._trials: Tensor | None = None  # [P, bins] decayed tested counts
         self._last_cells: tuple[Tensor, Tensor | None, Tensor] | None = None
 
-    def _cells(self, draft_logprobs: Tensor, positions: Tensor | None) -> Tensor:  # -> [B, K]
+    def _cells(
+        self, draft_logprobs: Tensor, positions: Tensor | None, *, reuse: bool = False
+    ) -> Tensor:  # -> [B, K]
         """Flat (position bucket, probability bin) cell of each token.
 
-        Cells depend on the input alone; a selector learns from the very tensors it estimated,
-        so the last result is reused for the same tensors.
+        A selector learns from the very tensors it just estimated, so :meth:`learn` passes
+        ``reuse=True`` to take the cells the last estimate computed for the same tensors (and
+        then forgets them). Estimates always recompute: a caller may refill one input buffer
+        in place from step to step.
         """
         last = self._last_cells
-        if last is not None and last[0] is draft_logprobs and last[1] is positions:
+        if reuse and last is not None and last[0] is draft_logprobs and last[1] is positions:
             return last[2]
         q = draft_logprobs.exp()  # NaN-free inputs (checked by selectors): q in [0, 1]
         column = (q * self.bins).to(torch.int64).clamp_(0, self.bins - 1)
@@ -120,7 +124,8 @@ class CalibratedDraft(AcceptanceEstimator):
         positions: Tensor | None = None,
     ) -> None:
         hits, trials = self._state(draft_logprobs.device)
-        cells = self._cells(draft_logprobs, positions).reshape(-1)
+        cells = self._cells(draft_logprobs, positions, reuse=True).reshape(-1)
+        self._last_cells = None
         hits.mul_(self.decay).index_add_(0, cells, (tested & passed).reshape(-1).to(hits.dtype))
         trials.mul_(self.decay).index_add_(0, cells, tested.reshape(-1).to(trials.dtype))
 
