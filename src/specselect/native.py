@@ -4,8 +4,8 @@ On a CPU, PyTorch pays a few microseconds of dispatch per operator and has no fu
 "the ``C`` cheapest entries of a matrix", so :func:`~specselect.selection.cheapest_mask` costs
 about eight tensor passes and a ``kthvalue``. ``_native/cheapest.c`` does the same selection
 in a few passes (integer keys, a radix select, the mask and per-row counts): at ``B = 1024,
-K = 16`` the paper's TETRIS ``select`` takes 75 µs with it and 206 µs without on one CPU
-thread, against 959 µs for ``cumsum → topk(C) → count`` (``benchmarks/bench_selectors.py``).
+K = 16`` the paper's TETRIS ``select`` takes 77 µs with it and 201 µs without on one CPU
+thread, against 950 µs for ``cumsum → topk(C) → count`` (``benchmarks/bench_selectors.py``).
 
 It is plain C99 with no Python or torch headers, so it needs only a C compiler (``$CC``, else
 the one Python was built with, else ``cc``) and compiles in well under a second the first time
@@ -47,7 +47,7 @@ from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["available", "cheapest_mask", "disabled", "status"]
+__all__ = ["available", "cheapest_mask", "disabled", "run", "status", "usable_for"]
 
 _LOG = logging.getLogger("specselect")
 _SOURCE = "cheapest.c"
@@ -126,26 +126,36 @@ def cheapest_mask(costs: Tensor, budget: int, keep: Tensor | None = None) -> tup
         budget: Python int >= 0.
         keep: optional ``[B]`` bool CPU tensor.
 
-    Call only when :func:`usable_for` says so.
+    Raises ``RuntimeError`` where the kernel is not :func:`available`, ``ValueError`` for
+    arguments it cannot read (:func:`usable_for` says which tensors it serves).
     """
     _load()
-    function = _State.function
-    if function is None:
+    if _State.function is None:
         raise RuntimeError(f"the fused selection kernel is not available: {_State.reason}")
     if costs.dim() != 2 or costs.dtype != torch.float32 or costs.device.type != "cpu":
         raise ValueError(f"costs must be a [B, N] float32 CPU tensor, got {_describe(costs)}")
-    rows, cols = costs.shape
     if keep is not None and (
-        keep.shape != (rows,) or keep.dtype != torch.bool or keep.device.type != "cpu"
+        keep.shape != costs.shape[:1] or keep.dtype != torch.bool or keep.device.type != "cpu"
     ):
-        raise ValueError(f"keep must be a [{rows}] bool CPU tensor, got {_describe(keep)}")
+        raise ValueError(
+            f"keep must be a [{costs.shape[0]}] bool CPU tensor, got {_describe(keep)}"
+        )
+    if costs.numel() and not costs.data_ptr():  # no storage behind it (a fake tensor, say)
+        raise ValueError("costs has no data in memory; the fused kernel needs a real tensor")
+    return run(costs, budget, keep)
+
+
+def run(costs: Tensor, budget: int, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+    """:func:`cheapest_mask` without its argument checks, for callers that asked
+    :func:`usable_for` (the selection hot path)."""
+    function = _State.function
+    assert function is not None, "call usable_for() first"
     costs = costs.contiguous()  # both stay referenced until the call returns
     keep = None if keep is None else keep.contiguous()
+    rows, cols = costs.shape
     mask = torch.empty((rows, cols), dtype=torch.bool)
     counts = torch.empty(rows, dtype=torch.int64)
     keep_ptr = None if keep is None else keep.data_ptr()
-    if costs.numel() and not costs.data_ptr():  # no storage behind it (a fake tensor, say)
-        raise ValueError("costs has no data in memory; the fused kernel needs a real tensor")
     if function(costs.data_ptr(), rows, cols, budget, keep_ptr, mask.data_ptr(), counts.data_ptr()):
         raise MemoryError(f"the fused selection kernel could not allocate {rows * cols} keys")
     return mask, counts

@@ -186,7 +186,7 @@ def _cheapest(
 ) -> tuple[Tensor, Tensor | None]:
     """``([B, N] mask, [B] counts or None)``: the fused kernel if it serves, else PyTorch."""
     if 0 < budget < costs.numel() and native.usable_for(costs, keep):
-        return native.cheapest_mask(costs, budget, keep)
+        return native.run(costs, budget, keep)
     return cheapest_mask_torch(costs, budget, nonnegative=nonnegative, keep=keep), None
 
 
