@@ -5,12 +5,14 @@
  * [rows, cols] cost matrix in (cost, column, row) order, where "available" means cost < +inf,
  * then clear the rows outside `keep`. PyTorch needs ~8 tensor passes and a kthvalue for this;
  * here it is a radix select on order-preserving integer keys of the costs:
- *   1. one pass: an 11-bit histogram of every key's top digit (this also counts the
+ *   1. one vectorised pass: the keys;
+ *   2. one pass: an 11-bit histogram of every key's top digit (this also counts the
  *      available entries, as +inf and above share the top digits);
- *   2. one pass: gather the keys in the digit that holds the budget-th key (few, usually);
- *   3. two small histogram passes over those fix the remaining 21 bits: the threshold key;
- *   4. one pass: write the mask (keys below the threshold, and the ties at it when all of
- *      them fit) and the per-row counts.
+ *   3. one pass: gather the keys in the digit that holds the budget-th key (a small share:
+ *      a digit spans a factor of 2^(1/4) in cost);
+ *   4. two histogram passes over those fix the remaining 21 bits: the threshold key;
+ *   5. one vectorised pass: the mask (keys below the threshold, and the ties at it when all
+ *      of them fit), then the per-row counts.
  * Only when the budget ends inside a group of equal costs does a column-major scan split the
  * ties (shallower columns first, then lower rows), the same rule as the PyTorch kernel.
  *
