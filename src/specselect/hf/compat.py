@@ -103,14 +103,25 @@ def sliding_window(model: nn.Module) -> int | None:
     return int(window)
 
 
-def check_context_fits(name: str, model: nn.Module, longest: int) -> None:
-    """Raise if a cache of ``longest`` columns could exceed ``model``'s sliding window."""
+def check_context_fits(
+    name: str, model: nn.Module, prompt: int, max_new_tokens: int, cache_slack: int
+) -> None:
+    """Raise if a forward pass could span more columns than ``model``'s sliding window.
+
+    A pass sees the cache plus its own block. After a step the cache is at most the fullest
+    row's tokens (``<= prompt + max_new_tokens``) plus ``cache_slack`` holes wide, and a block
+    is at most ``max_new_tokens`` wide (the pending token and drafts no row can outrun), but
+    the row with the fullest cache and the row with the most tokens left differ: the bound
+    adds both.
+    """
     window = sliding_window(model)
+    longest = prompt + 2 * max_new_tokens + cache_slack
     if window is not None and longest >= window:
         raise ValueError(
             f"{name} uses sliding-window attention (window {window}); with KV holes a window "
-            f"counts cache columns, not tokens, so runs are limited to fewer than {window} cache "
-            f"columns, and this one may need {longest} (prompt + max_new_tokens + cache slack)"
+            f"counts cache columns, not tokens, so a pass must span fewer than {window} "
+            f"columns, and this run may need {longest} (prompt {prompt} + 2 x max_new_tokens "
+            f"{max_new_tokens} + cache_slack {cache_slack})"
         )
 
 

@@ -50,6 +50,11 @@ Host syncs per step (everything else stays on the device):
   stay active (the next ``draft_length`` takes a Python int), the per-step statistics, and
   whether to compact.
 
+Outside specselect's own code, transformers may add reads of its own: with SDPA attention and
+a 2D attention mask it checks on the host whether the mask can be dropped
+(``_ignore_causal_mask_sdpa``), once per chain draft pass after the first and per target pass
+one column wide. Eager attention and tree passes (which pass 4D masks) do not.
+
 Selectors may sync on their own (DSD reads its acceptance statistics every ``interval`` steps),
 and argument checks read values only for CPU tensors (:mod:`specselect._checks`). Setup adds a
 few one-off syncs: prompt checks (:func:`check_prompts`), a seed drawn from ``generator`` for a
@@ -178,9 +183,10 @@ def speculative_generate(
         raise ValueError(
             f"TreeSpec.branch ({tree.branch}) exceeds the vocabulary size ({t_handle.vocab})"
         )
-    longest = input_ids.shape[1] + options.max_new_tokens + cache_slack
-    check_context_fits("target", t_handle.model, longest)
-    check_context_fits("draft", d_handle.model, longest)
+    for name, handle in (("target", t_handle), ("draft", d_handle)):
+        check_context_fits(
+            name, handle.model, input_ids.shape[1], options.max_new_tokens, cache_slack
+        )
     generators = split_generator(generator, t_handle.device, d_handle.device)
     selector.reset()
     # no_grad rather than inference_mode: returned tensors stay ordinary tensors that callers may

@@ -35,6 +35,8 @@ from specselect.hf.cache import forward_block
 from specselect.hf.compat import ModelHandle
 from specselect.hf.draft import ChainDrafter, SamplingParams, align_vocab
 from specselect.sampling import sample_from
+from specselect.scores import causal_logprobs, expected_self_logprob
+from specselect.tree import path_sums
 
 
 @dataclass(frozen=True)
@@ -89,12 +91,14 @@ class DraftTree:
     probs: Tensor | None  # [B, N + 1, V]: q after the root (col 0) and after node j (col j + 1)
 
     def to(self, device: torch.device) -> DraftTree:
-        probs = None if self.probs is None else self.probs.to(device, non_blocking=True)
+        # A copy to the CPU must not be asynchronous: the host would read it unfinished.
+        overlap = torch.device(device).type != "cpu"
+        probs = None if self.probs is None else self.probs.to(device, non_blocking=overlap)
         return DraftTree(
-            self.tokens.to(device, non_blocking=True),
-            self.logprobs.to(device, non_blocking=True),
-            self.parents.to(device, non_blocking=True),
-            self.depth.to(device, non_blocking=True),
+            self.tokens.to(device, non_blocking=overlap),
+            self.logprobs.to(device, non_blocking=overlap),
+            self.parents.to(device, non_blocking=overlap),
+            self.depth.to(device, non_blocking=overlap),
             probs,
         )
 
@@ -178,6 +182,7 @@ class TreeDrafter(ChainDrafter):
         logprobs: list[Tensor] = []  # per level: [B, size]
         parents: list[Tensor] = []  # per level: [B, size] int64
         scores: list[Tensor] = []  # per level: [B, size]
+        expected: list[Tensor] = []  # per level: [B, size] log E_q[q] of each node's q (sampled)
         offset = 0
         for level, size in enumerate(sizes, start=1):
             token, logprob, probs = pick_children(
@@ -190,10 +195,18 @@ class TreeDrafter(ChainDrafter):
             logprobs.append(logprob.reshape(batch, size))
             parents.append(parent)
             scores.append(_child_scores(scores, parent, logprobs[-1]))
+            if self.sampled:
+                assert probs is not None
+                own = expected_self_logprob(probs).unsqueeze(2).expand_as(logprob)  # [B, F, br]
+                expected.append(own.reshape(batch, size))
             strict = _inherit_ancestors(strict, parent, offset)
             if level == spec.depth:
                 break
-            chosen = scores[-1].topk(min(spec.width, size), dim=1).indices + offset  # [B, F']
+            # Sampled children are expanded by their causal scores, which do not depend on their
+            # own tokens: expanding by log q would make a later sibling's verification depend on
+            # its own token (through its rivals' children), which biases the output.
+            ranking = _causal_level(logprobs, expected, parents) if self.sampled else scores[-1]
+            chosen = ranking.topk(min(spec.width, size), dim=1).indices + offset  # [B, F']
             fed = fed.scatter(1, chosen, True)
             feed = torch.cat(tokens, dim=1).gather(1, chosen)
             past = _frontier_past(strict, chosen, fed_ids, self.cache.width)
@@ -269,6 +282,19 @@ def _child_scores(
         return logprobs.float()
     known = torch.cat(previous, dim=1)
     return known.gather(1, parent.clamp(min=0)) + logprobs
+
+
+def _causal_level(
+    logprobs: list[Tensor],  # per level [B, size]: log q of each sampled node
+    expected: list[Tensor],  # per level [B, size]: log E_q[q] of the q it was drawn from
+    parents: list[Tensor],  # per level [B, size] int64
+) -> Tensor:  # [B, size of the last level]
+    """Causal path scores (:func:`~specselect.scores.causal_logprobs`) of the newest level."""
+    tree_parents = torch.cat(parents, dim=1)
+    increments = causal_logprobs(
+        torch.cat(logprobs, dim=1), torch.cat(expected, dim=1), tree_parents
+    )
+    return path_sums(increments, tree_parents)[:, -logprobs[-1].shape[1] :]
 
 
 def _inherit_ancestors(
