@@ -395,6 +395,22 @@ def test_heuristic_select_follows_windows_after_feedback() -> None:
     assert selector.windows().tolist() == [5, 5]
 
 
+def test_heuristic_drafts_for_active_rows_only() -> None:
+    """A finished row's grown window must not make the batch draft more than any active
+    request can use; with nothing active at the last select (a new batch), k0."""
+    selector = HeuristicSelector(k0=1, max_k=7)
+    draft = logprobs([[0.9] * 8, [0.9] * 8])
+    for _ in range(3):  # row 0 keeps accepting everything, row 1 nothing
+        selection = selector.select(draft)
+        selector.update(selection, torch.stack([selection.lengths[0], torch.tensor(0)]))
+    assert selector.windows().tolist() == [7, 1]
+    assert selector.draft_length(2) == 7
+    selector.select(draft, torch.tensor([False, True]))  # row 0 finished
+    assert selector.draft_length(1) == 1
+    selector.select(draft, torch.tensor([False, False]))
+    assert selector.draft_length(2) == 1  # k0
+
+
 def test_heuristic_new_batch_size_raises_until_reset() -> None:
     selector = HeuristicSelector(k0=2)
     selector.select(torch.zeros(3, 4))

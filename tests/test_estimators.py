@@ -182,6 +182,21 @@ def test_tetris_guard_falls_back_to_the_fixed_window_until_trusted() -> None:
     assert raw.lengths.tolist() == [4, 0]  # the paper's TETRIS on the raw draft probabilities
 
 
+@pytest.mark.parametrize(
+    ("budget", "lengths"), [(0, [0, 0, 0]), (1, [1, 0, 0]), (4, [2, 1, 1]), (9, [2, 2, 2])]
+)
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_tetris_guard_fallback_keeps_a_fixed_budget(budget: int, lengths: list, tree: bool):
+    """Untrusted, TETRIS falls back to standard SD's windows trimmed to the budget,
+    shallowest positions first (then lower rows), and still closed under ancestors."""
+    selector = TetrisSelector(k=2, extra=2, budget=budget)  # no evidence yet: untrusted
+    logprobs = torch.log(torch.full((3, 4), 0.5))
+    parents = torch.tensor([[-1, 0, 1, 2]] * 3) if tree else None  # a chain, as a tree
+    selection = selector.select(logprobs, parents=parents)
+    assert selection.lengths.tolist() == lengths
+    assert torch.equal(selection.mask, Selection.from_lengths(selection.lengths, 4).mask)
+
+
 def test_tetris_uses_the_estimator_once_the_guard_trusts_it() -> None:
     selector = TetrisSelector(
         k=2, extra=2, estimator="calibrated", guard=RankingGuard(min_observations=50)

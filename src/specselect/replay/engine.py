@@ -182,6 +182,8 @@ def iter_replay(
     while True:
         free = requests < 0
         if queued < n and (refill or bool(free.all())):
+            if not refill and queued:  # a new static batch: a new speculative_generate call,
+                selector.reset()  # which starts its selector afresh
             new = _refill(requests, positions, free, queued, n)
             queued += int(new.sum())
         active = requests >= 0
@@ -286,12 +288,14 @@ def replay(
 
     Requests enter in trace order. Each step: empty slots take the next queued requests (with
     ``refill=False``, only when *all* slots are empty — static batches, as
-    ``speculative_generate`` runs them); ``K = selector.draft_length(num_active)``; the selector
-    sees the ``[slots, K]`` recorded log-probs (``-inf`` past each request's end and in empty
-    slots, which are also inactive); each active request accepts ``min(L, run)`` and advances by
-    that + 1; ``selector.update`` gets the accepted counts. A slot whose request finished is
-    refilled at the next step. The selector receives each slot's request id
-    (``request_ids``), so per-request state follows requests: a slot whose id changed is reset.
+    ``speculative_generate`` runs them, and the selector is reset before each new batch as
+    each ``speculative_generate`` call resets it); ``K = selector.draft_length(num_active)``;
+    the selector sees the ``[slots, K]`` recorded log-probs (``-inf`` past each request's end
+    and in empty slots, which are also inactive); each active request accepts ``min(L, run)``
+    and advances by that + 1; ``selector.update`` gets the accepted counts. A slot whose
+    request finished is refilled at the next step. The selector receives each slot's request
+    id (``request_ids``), so per-request state follows requests: a slot whose id changed is
+    reset.
 
     Args:
         traces: recorded (or synthetic) traces.

@@ -1,4 +1,4 @@
-"""The oracle: a replay-only upper bound that is told each request's true run length.
+"""The oracle: a replay-only per-step upper bound that is told each request's true run length.
 
 :class:`OracleSelector` is a :class:`~specselect.selection.Selector` like any other, except that
 :func:`~specselect.replay.replay` hands it the true run lengths before every step
@@ -23,7 +23,7 @@ __all__ = ["OracleSelector"]
 
 
 class OracleSelector(Selector):
-    """Replay-only upper bound: knows each request's true run length and spends the budget on it.
+    """Replay-only per-step upper bound: knows each request's true run length.
 
     Each step it maximises ``sum_i min(L_i, run_i)`` subject to ``sum_i L_i <= C`` and ``L_i <=
     available_i``. Any token beyond ``min(run_i, available_i)`` is a sure rejection, so the optimum
@@ -31,6 +31,12 @@ class OracleSelector(Selector):
     is accepted (VSR = 1). When the budget is short, shallower positions are served first, then
     lower rows, which spreads it over as many requests as possible; every such choice has the
     same value this step.
+
+    It is a bound *per step*, not over a whole run: another allocation leads to other future
+    states (other requests ahead or behind), and on some traces a selector ends a run with
+    more tokens per step than the oracle. The unbudgeted oracle (``extra=0`` and ``k`` the
+    whole window) is a whole-run bound: without a shared budget, accepting every request's
+    whole run now is never worse later.
 
     Args:
         k: mean window; the budget is ``C = k * num_active`` unless ``budget`` is given.

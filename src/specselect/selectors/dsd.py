@@ -105,9 +105,9 @@ class DSDSelector(Selector):
     every ``interval`` calls (one scalar device-to-host copy each time; see the module
     docstring). Between reads the window only changes when the number of active requests does.
 
-    If the chosen window is 0 nothing is verified, so no feedback arrives and the estimate —
-    hence the window — stays put until :meth:`reset`: the selector has decided that speculation
-    does not pay for this pair and cost model.
+    If the chosen window is 0 nothing is verified, so no feedback would arrive and the choice
+    would be final; instead every other interval that 0 looks best probes with a window of 1,
+    so that the estimate can recover when acceptance improves.
 
     Args:
         max_k: largest window considered.

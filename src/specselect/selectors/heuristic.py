@@ -85,6 +85,7 @@ class HeuristicSelector(Selector):
         """Forget every request's window; the next call starts a new batch at ``k0``."""
         super().reset()
         self._windows: Tensor | None = None  # [B] int64, the only per-request state
+        self._active: Tensor | None = None  # [B] bool rows active at the last select (None: all)
 
     def reset_rows(self, rows: Tensor) -> None:
         """Restart the windows of ``rows`` (``[B]`` bool) at ``k0``: their slots hold new requests.
@@ -100,11 +101,25 @@ class HeuristicSelector(Selector):
         self._windows = torch.where(rows, self.k0, windows)
 
     def draft_length(self, num_active: int) -> int:
-        """The largest current window (one device read); 0 when nothing is active."""
+        """The largest window of the rows active at the last select (one device read); 0 when
+        nothing is active.
+
+        Finished rows and empty slots keep stale windows, which must not make the whole batch
+        draft more than any active request can use. A slot refilled since then starts at ``k0``
+        when it is selected; if the other windows are all shorter, it verifies that many tokens
+        in its first step. With no row active at the last select (a new batch), ``k0``. A row
+        that finished at the last step still counts this once: only ``select`` learns which
+        rows are active.
+        """
         check_int("num_active", num_active)
         if num_active == 0:
             return 0
-        return self.k0 if self._windows is None else int(self._windows.max())
+        if self._windows is None:
+            return self.k0
+        windows = self._windows
+        if self._active is not None:
+            windows = windows.masked_fill(~self._active, 0)  # windows are >= 1 where active
+        return int(windows.max()) or self.k0
 
     def windows(self) -> Tensor | None:
         """``[B]`` int64 current windows (a view of the state; ``None`` before the first call)."""
@@ -112,6 +127,7 @@ class HeuristicSelector(Selector):
 
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
         windows = self._state(draft_logprobs.shape[0], draft_logprobs.device, "draft_logprobs")
+        self._active = active
         lengths = torch.minimum(available_lengths(draft_logprobs), windows)
         return Selection.from_lengths(mask_inactive(lengths, active), draft_logprobs.shape[1])
 

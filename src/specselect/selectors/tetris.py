@@ -102,11 +102,16 @@ class TetrisSelector(Selector):
     def _guarded(self, best: Selection, fallback: Callable[[], Selection]) -> Selection:
         """``best``, or standard SD's selection while the guard distrusts the scores.
 
-        Both are computed and one is picked on the device: no sync, static shapes.
+        Both are computed and one is picked on the device: no sync, static shapes. With a
+        fixed ``budget`` the fallback keeps to it too: standard SD's windows, trimmed to the
+        ``budget`` shallowest positions (then lowest rows) when they hold more.
         """
         if self.guard is None:
             return best
-        mask = torch.where(self.guard.trusted(best.mask.device), best.mask, fallback().mask)
+        standard = fallback().mask
+        if self.budget is not None:
+            standard = _trim(standard, self.budget)
+        mask = torch.where(self.guard.trusted(best.mask.device), best.mask, standard)
         return Selection(lengths=mask.sum(dim=1), mask=mask)
 
     def _best(self, costs: Tensor, active: Tensor | None) -> Selection:
@@ -121,6 +126,22 @@ class TetrisSelector(Selector):
     def _update(self, selection: Selection, num_accepted: Tensor) -> None:
         if self.guard is not None and self.last_scores is not None:
             self.guard.observe(self.last_scores, *self.outcomes(selection, num_accepted))
+
+
+def _trim(mask: Tensor, budget: int) -> Tensor:
+    """The first ``budget`` entries of ``mask`` (``[B, N]`` bool) by (column, row).
+
+    A node's column is larger than its parent's, so a trimmed chain stays a prefix and a
+    trimmed tree stays closed under ancestors.
+    """
+    key = ("columns_f32", mask.shape[1], mask.device)
+    columns = cached_constant(key, _float_columns)  # [1, N]
+    costs = torch.where(mask, columns, float("inf"))
+    return cheapest_selection(costs, budget, nonnegative=True).mask
+
+
+def _float_columns(width: int, device: torch.device) -> Tensor:
+    return torch.arange(width, device=device, dtype=torch.float32).unsqueeze(0)
 
 
 def _absorb_inactive(costs: Tensor, active: Tensor, pad: int) -> Tensor:
