@@ -6,9 +6,11 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import string
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,9 @@ import torch
 
 from specselect.cli import default_selectors, main, read_prompts
 from specselect.cost import CostModel
-from specselect.replay import OracleSelector, load_traces, replay, selector_grid
+from specselect.metrics import Totals
+from specselect.replay import OracleSelector, load_traces, replay, save_traces, selector_grid
+from specselect.report import ResultRow, format_table, markdown_table, results_json
 from specselect.selectors import SELECTORS
 from test_replay import build_tiny_pair
 
@@ -63,6 +67,18 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def model_args(model_dirs: dict[str, Path]) -> list[str]:
+    """``--target``, ``--draft`` and ``--prompts`` of the module's tiny pair."""
+    return [
+        "--target",
+        str(model_dirs["target"]),
+        "--draft",
+        str(model_dirs["draft"]),
+        "--prompts",
+        str(model_dirs["prompts"]),
+    ]
+
+
 GRID = ["--k", "1,2", "--extra", "1,2", "--budget", "3"]
 
 
@@ -71,12 +87,7 @@ def compare_run(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFa
     out = tmp_path_factory.mktemp("compare")
     argv = [
         "compare",
-        "--target",
-        str(model_dirs["target"]),
-        "--draft",
-        str(model_dirs["draft"]),
-        "--prompts",
-        str(model_dirs["prompts"]),
+        *model_args(model_dirs),
         "--out",
         str(out),
         "--slots",
@@ -131,7 +142,7 @@ def test_compare_numbers_match_the_library(compare_run: dict) -> None:
         totals = replay(traces, configs[row["label"]].build(CostModel()), slots=2).totals
         metrics = row["metrics"]
         assert metrics["tokens_per_step"] == pytest.approx(totals.tokens_per_step)
-        assert metrics["vsr"] == pytest.approx(totals.vsr)
+        assert metrics["vsr"] == (pytest.approx(totals.vsr) if totals.verified else None)
         assert metrics["goodput"] == pytest.approx(totals.goodput)
         assert metrics["verified_per_request_step"] == pytest.approx(
             totals.verified / totals.active
@@ -171,19 +182,16 @@ def test_compare_reuses_traces_without_models(compare_run: dict, tmp_path: Path)
     assert not (tmp_path / "vsr_vs_extra.png").exists()
 
 
-def test_compare_live_mode(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def live_run(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     pytest.importorskip("specselect.hf")
+    out = tmp_path_factory.mktemp("live")
     code, stdout, stderr = run_main(
         [
             "compare",
-            "--target",
-            str(model_dirs["target"]),
-            "--draft",
-            str(model_dirs["draft"]),
-            "--prompts",
-            str(model_dirs["prompts"]),
+            *model_args(model_dirs),
             "--out",
-            str(tmp_path),
+            str(out),
             "--mode",
             "live",
             "--selectors",
@@ -191,13 +199,13 @@ def test_compare_live_mode(model_dirs: dict[str, Path], tmp_path: Path) -> None:
             "--k",
             "2",
             "--extra",
-            "1",
+            "1,2",
             "--limit",
             "3",
             "--slots",
             "2",
             "--max-new-tokens",
-            "6",
+            "8",
             "--tree",
             "2,2,1",
             "--quiet",
@@ -205,7 +213,12 @@ def test_compare_live_mode(model_dirs: dict[str, Path], tmp_path: Path) -> None:
         ]
     )
     assert code == 0, stderr
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    return {"stdout": stdout, "out": out, "rows": rows}
+
+
+def test_compare_live_mode(live_run: dict) -> None:
+    rows = live_run["rows"]
     kinds = {r["selector"]: r["goodput_kind"] for r in rows}
     assert kinds == {
         "fixed": "measured",
@@ -215,11 +228,39 @@ def test_compare_live_mode(model_dirs: dict[str, Path], tmp_path: Path) -> None:
         "oracle": "modelled",
     }
     for row in rows:  # greedy live runs emit exactly what the traces hold
-        assert row["metrics"]["emitted"] == 3 * 6
+        assert row["metrics"]["emitted"] == 3 * 8
         assert row["metrics"]["seconds"] > 0
     oracle = next(r for r in rows if r["selector"] == "oracle")
     assert oracle["relative_to_fixed"]["goodput"] is None  # modelled vs measured: no ratio
-    assert "measured" in stdout
+    assert "measured" in live_run["stdout"]
+
+
+def test_live_tree_rows_once_per_budget(live_run: dict) -> None:
+    """Tree mode ignores ``extra``: one tree row per selector and k, with extra shown as '-'."""
+    trees = [r for r in live_run["rows"] if "tree(" in r["selector"]]
+    assert sorted(r["selector"] for r in trees) == ["fixed tree(2,2,1)", "tetris tree(2,2,1)"]
+    assert all(r["extra"] is None for r in trees)
+    assert sum(r["selector"] == "tetris" for r in live_run["rows"]) == 2  # chains: per extra
+
+
+def test_live_oracle_replays_static_batches(live_run: dict) -> None:
+    """The live oracle row is a replay in static batches, like the live rows, and says so."""
+    traces = load_traces(live_run["out"] / "traces.pt")
+    oracles = [r for r in live_run["rows"] if r["selector"] == "oracle"]
+    assert len(oracles) == 2
+    differs = False
+    for config in selector_grid(["oracle"], [2], [1, 2]):
+        row = next(r for r in oracles if r["extra"] == config.extra)
+        static = replay(traces, config.build(), slots=2, refill=False).totals
+        refilled = replay(traces, config.build(), slots=2).totals
+        differs |= static.steps != refilled.steps
+        assert row["metrics"]["steps"] == static.steps
+        assert row["metrics"]["tokens_per_step"] == pytest.approx(static.tokens_per_step)
+        assert row["metrics"]["goodput"] == pytest.approx(static.goodput)
+    assert differs  # otherwise this test could not tell the two replays apart
+    report = (live_run["out"] / "report.md").read_text()
+    note = next(line for line in report.splitlines() if line.startswith("Goodput is"))
+    assert "`oracle`" in note and "**modelled**" in note
 
 
 @pytest.mark.parametrize(
@@ -274,6 +315,13 @@ def _bad_inputs(dirs: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
         "max new tokens": (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         "bad mode": (["--mode", "fast"], "invalid choice"),
         "not a trace file": (["--traces", str(tmp / "other.pt")], "not a specselect trace file"),
+        "text as traces": (
+            ["--traces", str(tmp / "empty.txt")],
+            "--traces '" + str(tmp / "empty.txt") + "' is not a specselect trace file",
+        ),
+        "directory as traces": (["--traces", str(tmp / "noconfig")], "is a directory"),
+        "seed overflow": (["--seed", "99999999999999999999999"], "--seed must be between"),
+        "empty estimator": (["--selectors", "tetris+"], "argument --selectors: 'tetris+'"),
         "tree without live": ([*models, *prompts, "--tree", "3,2,2"], "--tree needs --mode live"),
         "bad tree": (["--tree", "3,0,2", "--mode", "live"], "TreeSpec.branch must be >= 1"),
         "tree not a triple": (["--tree", "3,2"], "DEPTH,BRANCH,WIDTH"),
@@ -302,6 +350,10 @@ BAD_CASES = [
     "max new tokens",
     "bad mode",
     "not a trace file",
+    "text as traces",
+    "directory as traces",
+    "seed overflow",
+    "empty estimator",
     "tree without live",
     "bad tree",
     "tree not a triple",
@@ -320,6 +372,8 @@ def test_bad_input_exits_2_without_traceback(
     assert message in stderr
     assert "Traceback" not in stderr + stdout
     assert not (tmp_path / "out" / "results.json").exists()
+    if "usage:" not in stderr:  # argparse prints its usage first; ours are one line
+        assert len(stderr.strip().splitlines()) == 1, stderr
 
 
 @pytest.mark.parametrize(
@@ -335,6 +389,150 @@ def test_incompatible_traces_exit_2(
     argv = ["compare", "--traces", str(compare_run["out"] / "traces.pt"), "--out", str(tmp_path)]
     code, _, stderr = run_main([*argv, "--max-new-tokens", "10", *extra_args])
     assert code == 2 and message in stderr and "Traceback" not in stderr
+
+
+def _reuse(compare_run: dict, out: Path, *args: str, traces: Path | None = None) -> tuple:
+    """``compare`` on the saved traces of ``compare_run`` (small grid, no plots)."""
+    path = traces if traces is not None else compare_run["out"] / "traces.pt"
+    small = ["--max-new-tokens", "10", "--selectors", "tetris", "--k", "1", "--extra", "1"]
+    argv = ["compare", "--traces", str(path), "--out", str(out), *small]
+    return run_main([*argv, "--slots", "2", "--quiet", "--no-plots", *args])
+
+
+def _other_target(model_dirs: dict[str, Path], tmp: Path) -> Path:
+    """A model directory other than the recorded target's, with the same tokenizer."""
+    other = tmp / "other"
+    shutil.copytree(model_dirs["draft"], other)
+    save_char_tokenizer(other)
+    return other
+
+
+def test_reused_traces_must_come_from_these_models(
+    compare_run: dict, model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Other models: a one-line error; a trace file that predates model metadata: no check."""
+    other = ["--target", str(_other_target(model_dirs, tmp_path)), "--draft"]
+    other += [str(model_dirs["draft"]), "--prompts", str(model_dirs["prompts"]), "--limit", "4"]
+    code, _, stderr = _reuse(compare_run, tmp_path / "out", *other)
+    assert code == 2 and "Traceback" not in stderr
+    error = stderr.strip().splitlines()[-1]
+    assert "--traces" in error and "other models" in error and "target name_or_path" in error
+    traces = load_traces(compare_run["out"] / "traces.pt")
+    old = replace(
+        traces, meta={k: v for k, v in traces.meta.items() if k not in ("target", "draft")}
+    )
+    code, _, stderr = _reuse(
+        compare_run, tmp_path / "out", *other, traces=save_traces(old, tmp_path / "old.pt")
+    )
+    assert code == 0, stderr
+
+
+def test_reused_traces_must_come_from_these_prompts(
+    compare_run: dict, model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def sub(a, b):\n    return a - b\n", encoding="utf-8")
+    models = ["--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"])]
+    code, _, stderr = _reuse(compare_run, tmp_path / "out", *models, "--prompts", str(prompts))
+    assert code == 2 and "Traceback" not in stderr
+    error = stderr.strip().splitlines()[-1]
+    assert "--traces" in error and "other prompts" in error and "prompt 0" in error
+
+
+def test_reused_traces_matching_inputs_and_limit_warning(
+    compare_run: dict, model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The recording's own inputs pass; a --limit beyond the traces warns and uses them all."""
+    same = ["--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"])]
+    same += ["--prompts", str(model_dirs["prompts"])]
+    code, _, stderr = _reuse(compare_run, tmp_path / "a", *same, "--limit", "2")
+    assert code == 0 and "warning" not in stderr, stderr
+    results = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert results["meta"]["traces"]["requests"] == 2
+    code, _, stderr = _reuse(compare_run, tmp_path / "b", "--limit", "9")
+    assert code == 0, stderr
+    warnings = [line for line in stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "--limit 9" in warnings[0] and "(4)" in warnings[0]
+    results = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert results["meta"]["traces"]["requests"] == 4
+
+
+@pytest.mark.parametrize("where", ["a file", "below a file"])
+def test_bad_out_fails_before_any_work(
+    model_dirs: dict[str, Path], tmp_path: Path, where: str
+) -> None:
+    (tmp_path / "afile").write_text("not a directory", encoding="utf-8")
+    out = tmp_path / "afile" if where == "a file" else tmp_path / "afile" / "sub"
+    code, stdout, stderr = run_main(
+        [
+            "compare",
+            *model_args(model_dirs),
+            "--traces",
+            str(tmp_path / "new.pt"),
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
+    assert code == 2 and "Traceback" not in stderr + stdout
+    assert stderr.count("\n") == 1 and "--out" in stderr
+    assert not (tmp_path / "new.pt").exists()  # nothing was recorded
+
+
+def test_unavailable_device_is_a_usage_error(
+    model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, stdout, stderr = run_main(
+        [
+            "compare",
+            *model_args(model_dirs),
+            "--device",
+            "cuda",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert code == 2 and "Traceback" not in stderr + stdout
+    assert stderr.count("\n") == 1 and "--device 'cuda'" in stderr
+
+
+def test_rerun_removes_stale_plots(compare_run: dict, tmp_path: Path) -> None:
+    """Plots a run does not draw are removed; files specselect does not write are kept."""
+    pytest.importorskip("matplotlib")
+    for name in ("reliability.png", "vsr_vs_extra.png", "mine.png"):
+        (tmp_path / name).write_bytes(b"stale")
+    traces = ["--traces", str(compare_run["out"] / "traces.pt"), "--max-new-tokens", "10"]
+    grid = ["--selectors", "dsd", "--k", "1", "--extra", "1", "--slots", "2", "--quiet"]
+    code, _, stderr = run_main(["compare", *traces, "--out", str(tmp_path), *grid])
+    assert code == 0, stderr
+    assert not (tmp_path / "reliability.png").exists()  # no ranking selector: no reliability
+    assert (tmp_path / "vsr_vs_extra.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "mine.png").read_bytes() == b"stale"
+    code, _, stderr = _reuse(compare_run, tmp_path)  # --no-plots: no plot of this run
+    assert code == 0, stderr
+    assert not (tmp_path / "vsr_vs_extra.png").exists()
+    assert not (tmp_path / "tokens_per_step_vs_budget.png").exists()
+    assert (tmp_path / "mine.png").exists()
+
+
+def test_vsr_undefined_when_nothing_verified() -> None:
+    """0 / 0 is shown as '-' and written as null, never as 0 or -100% vs fixed."""
+    rows = [
+        ResultRow("fixed", 2, None, None, Totals(4, 8, 16, 8, 16, 1.0)),
+        ResultRow("threshold", 2, 1, None, Totals(8, 8, 0, 0, 8, 1.0)),
+    ]
+    line = next(x for x in format_table(rows).splitlines() if x.startswith("threshold"))
+    assert "-100" not in line
+    header, _, *cells = (
+        [c.strip() for c in x.strip("|").split("|")] for x in markdown_table(rows).splitlines()
+    )
+    threshold = next(c for c in cells if c[0] == "threshold")
+    vsr_column = header.index("VSR")
+    assert threshold[vsr_column : vsr_column + 2] == ["-", ""]
+    row = next(r for r in results_json(rows, {})["rows"] if r["selector"] == "threshold")
+    assert row["metrics"]["vsr"] is None and row["relative_to_fixed"]["vsr"] is None
+    assert results_json(rows, {})["rows"][0]["metrics"]["vsr"] == 0.5
 
 
 def test_no_command_prints_help_and_exits_2() -> None:

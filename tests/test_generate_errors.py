@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -211,6 +212,43 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
         "generation_config must be",
     ),
     ("negative cache slack", "cache_slack", lambda m: -1, ValueError, "cache_slack"),
+    ("do_sample not a bool", "do_sample", lambda m: "no", TypeError, "do_sample must be a bool"),
+    (
+        "do_sample not a bool in config",
+        "generation_config",
+        lambda m: GenerationConfig(do_sample=1),
+        TypeError,
+        "do_sample must be a bool",
+    ),
+    ("tokenizer without len", "tokenizer", lambda m: 5, TypeError, "tokenizer must be"),
+    (
+        "length penalty config",
+        "generation_config",
+        lambda m: GenerationConfig(exponential_decay_length_penalty=(2, 3.0)),
+        ValueError,
+        "exponential_decay_length_penalty",
+    ),
+    (
+        "watermarking config",
+        "generation_config",
+        lambda m: GenerationConfig(watermarking_config={"greenlist_ratio": 0.5, "bias": 50.0}),
+        ValueError,
+        "watermarking_config",
+    ),
+    (
+        "max_time config",
+        "generation_config",
+        lambda m: GenerationConfig(max_time=60.0),
+        ValueError,
+        "max_time",
+    ),
+    (
+        "top_h when sampling",
+        "generation_config",
+        lambda m: GenerationConfig(do_sample=True, top_h=0.5),
+        ValueError,
+        "top_h",
+    ),
 ]
 
 
@@ -240,3 +278,43 @@ def test_selector_with_negative_draft_length(models) -> None:
 
     with pytest.raises(ValueError, match=r"selector.draft_length\(\) must be >= 0"):
         call(models, selector=Broken(k=1))
+
+
+def test_max_length_within_the_prompt_raises(models) -> None:
+    """An explicit max_length counts the padded prompt (width 6): 6 leaves no room, as in
+    generate(), which raises too; 7 gives one new token."""
+    config = GenerationConfig(max_length=6, eos_token_id=[])
+    with pytest.raises(ValueError, match=r"max_length \(6\) must exceed .* prompt length \(6\)"):
+        call(models, max_new_tokens=None, generation_config=config)
+    with pytest.raises(ValueError, match="max_length"):
+        ids, mask = left_padded_prompts(4, 2, 6, VOCAB, 0)
+        models[0].generate(ids, attention_mask=mask, generation_config=config)
+    config.max_length = 7
+    assert call(models, max_new_tokens=None, generation_config=config).sequences.shape == (4, 7)
+
+
+def test_model_config_options_are_checked_with_a_caller_config(models) -> None:
+    """Options set only in target.generation_config still apply when the caller passes a
+    generation_config (generate() merges them), so unsupported ones must raise."""
+    target = copy.deepcopy(models[0])
+    for field, value in (("repetition_penalty", 1.3), ("no_repeat_ngram_size", 2)):
+        target.generation_config = GenerationConfig(**{field: value})
+        with pytest.raises(ValueError, match=f"{field}={value}"):
+            call((target, models[1]), generation_config=GenerationConfig(max_new_tokens=3))
+
+
+def test_sampling_only_warpers_do_not_block_greedy_decoding(models) -> None:
+    """generate() applies min_p and friends only when sampling: greedy runs, sampling raises."""
+    config = GenerationConfig(min_p=0.1, typical_p=0.9, top_h=0.5)
+    assert call(models, generation_config=config).sequences.shape == (4, 6 + 4)
+    with pytest.raises(ValueError, match=r"top_h=0\.5"):
+        call(models, generation_config=config, do_sample=True)
+
+
+def test_prompt_ending_in_pad_without_mask_raises(models) -> None:
+    """Without attention_mask the mask is inferred from pad_token_id, as in generate(); a row
+    ending with the pad id would then be right-padded, which the loop cannot serve."""
+    ids, _ = left_padded_prompts(4, 2, 6, VOCAB, 0)
+    ids[1, -1] = 0  # the tiny models' pad id
+    with pytest.raises(ValueError, match="inferred from pad_token_id=0"):
+        call(models, input_ids=ids, attention_mask=None)

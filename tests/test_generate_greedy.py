@@ -9,6 +9,7 @@ runs, partial acceptance and rejections.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -27,6 +28,7 @@ from hf_models import (
 from specselect import make_selector
 from specselect.hf import (
     ChainDrafter,
+    DraftChain,
     RaggedCache,
     SamplingParams,
     forward_block,
@@ -195,6 +197,58 @@ def test_generation_config_fields_are_used_and_overridden() -> None:
     )  # max_length counts the padded prompt, as in generate()
     short = target.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=[])
     assert torch.equal(by_length.sequences, short)
+
+
+def test_caller_config_is_merged_with_the_model_config() -> None:
+    """As in generate(), a caller's generation_config only overrides the fields it sets: the
+    others (here EOS and pad) come from target.generation_config, the rest from the global
+    defaults (greedy). min_p, a sampling-only warper, is ignored by both in greedy decoding."""
+    target, draft, ids, mask, eos, reference = case("llama", 0)
+    target, draft = copy.deepcopy(target), copy.deepcopy(draft)
+    for model in (target, draft):  # the models must keep sharing special ids
+        model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=PAD_ID, min_p=0.2)
+    config = GenerationConfig(max_new_tokens=MAX_NEW)
+    assert torch.equal(
+        target.generate(ids, attention_mask=mask, generation_config=config), reference
+    )
+    out = speculative_generate(
+        target, draft, ids, mask, selector=build_selector("fixed"), generation_config=config
+    )
+    assert torch.equal(out.sequences, reference)
+
+
+@pytest.mark.parametrize("pad_is_eos", [False, True])
+def test_missing_mask_is_inferred_like_generate(pad_is_eos: bool) -> None:
+    """Without attention_mask, generate() masks the pad tokens when the pad id is set and is not
+    an EOS id (else it attends to everything): left-padded prompts give the masked output."""
+    target, draft, ids, mask, _, _ = case("gpt2", 0)
+    eos = [PAD_ID] if pad_is_eos else []
+    kwargs = {"max_new_tokens": 12, "eos_token_id": eos, "pad_token_id": PAD_ID}
+    reference = target.generate(ids, **kwargs)
+    masked = target.generate(ids, attention_mask=mask, **kwargs)
+    assert torch.equal(reference, masked) != pad_is_eos  # the mask really matters here
+    out = speculative_generate(target, draft, ids, selector=build_selector("tetris"), **kwargs)
+    assert torch.equal(out.sequences, reference)
+
+
+class _RecordsTo:
+    """Stands in for a tensor and records the ``non_blocking`` of each ``.to()``."""
+
+    def __init__(self) -> None:
+        self.calls: list[bool] = []
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> _RecordsTo:
+        self.calls.append(non_blocking)
+        return self
+
+
+@pytest.mark.parametrize(("device", "expected"), [("cpu", False), ("cuda:0", True)])
+def test_draft_chain_copies_to_the_host_synchronously(device: str, expected: bool) -> None:
+    """A device-to-host copy with non_blocking=True may be read before it lands (CUDA draft, CPU
+    target): copies to the CPU must block; copies to an accelerator may overlap."""
+    parts = [_RecordsTo() for _ in range(3)]
+    DraftChain(*parts).to(torch.device(device))  # type: ignore[arg-type]
+    assert [p.calls for p in parts] == [[expected]] * 3
 
 
 def test_vocabularies_differing_by_padding_rows() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from scipy.stats import chisquare
+from transformers import GenerationConfig
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -121,3 +122,46 @@ def test_sampled_tokens_follow_target_distribution(pair, config_name: str, selec
         observed_joint = torch.bincount(rows[:, 0] * VOCAB + rows[:, 1], minlength=VOCAB**2)
         assert chi_square_pvalue(observed_joint, joint) > ALPHA
         assert chi_square_pvalue(torch.bincount(rows[:, 2], minlength=VOCAB), third) > ALPHA
+
+
+DEFAULTS_ROWS = 2000
+
+
+@pytest.mark.parametrize(
+    ("model_top_k", "caller_config", "top_k"),
+    [
+        (None, None, 50),  # generate()'s global default top_k=50
+        (20, GenerationConfig(do_sample=True), 20),  # the model's, under a caller's config
+    ],
+    ids=["global-default", "model-config"],
+)
+def test_sampling_uses_generate_default_top_k(model_top_k, caller_config, top_k: int) -> None:
+    """Unset sampling options resolve as in generate(): the caller's config, then the model's
+    generation_config, then transformers' global defaults (top_k=50). On a 128-token vocabulary
+    with flat distributions, about half of the full-vocabulary samples fall outside the top 50.
+    No token outside the context's top-k may appear (it has probability 0), and the first token
+    must follow the top-k distribution: chi-square, alpha = 0.001, fixed seed."""
+    target, draft = tiny_pair("llama", 0, noise=0.02, init_range=0.05)
+    for model in (target, draft):
+        model.generation_config.top_k = model_top_k
+    prompt = torch.tensor([[5, 9, 17, 33]])
+    out = speculative_generate(
+        target,
+        draft,
+        prompt.expand(DEFAULTS_ROWS, -1).contiguous(),
+        selector=make_selector("fixed", k=2),
+        max_new_tokens=2,
+        do_sample=None if caller_config is not None else True,
+        eos_token_id=[],
+        generator=torch.Generator().manual_seed(99),
+        generation_config=caller_config,
+    )
+    assert out.stats.totals.accepted > 0, "the draft's tokens must be verified too"
+    with torch.no_grad():
+        logits = target(out.sequences[:, :-1]).logits[:, -2:]  # [N, 2, V]
+    kth = logits.topk(top_k, dim=-1).values[..., -1]  # [N, 2]
+    chosen = logits.gather(2, out.sequences[:, -2:].unsqueeze(2)).squeeze(2)
+    assert bool((chosen >= kth).all()), "a token outside the top-k was sampled"
+    probs = hf_probs(logits[0, 0:1], {"temperature": 1.0, "top_k": top_k})[0]
+    observed = torch.bincount(out.sequences[:, -2], minlength=probs.shape[0])
+    assert chi_square_pvalue(observed, probs) > ALPHA

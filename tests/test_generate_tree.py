@@ -327,7 +327,7 @@ def test_tree_sampling_stays_lossless_when_a_level_outgrows_the_width() -> None:
     out = speculative_generate(
         target,
         draft,
-        torch.tensor([[2, 1, 0]]).expand(rows, -1).contiguous(),
+        torch.tensor([[2, 1, 3]]).expand(rows, -1).contiguous(),
         selector=make_selector("fixed", k=3),
         max_new_tokens=3,
         do_sample=True,

@@ -6,7 +6,9 @@ and by how much? It only wires library pieces together — :func:`specselect.rep
 ``speculative_generate`` for ``--mode live``, and :func:`specselect.report.write_report`.
 
 User errors (a missing model directory, an empty or unreadable prompts file, an unknown selector,
-an invalid grid value) print one line on stderr and exit with status 2, without a traceback.
+an invalid grid value, traces recorded from other models or prompts, an unusable ``--out`` or
+``--device``) print one line on stderr and exit with status 2, without a traceback. They are
+found before any model runs, so that a mistake never costs a recording.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -33,14 +36,19 @@ from specselect.replay import (
     left_pad,
     load_traces,
     record_traces,
+    replay,
     save_traces,
     selector_grid,
     traces_summary,
 )
+from specselect.replay.traces import _describe_model
 from specselect.report import ResultRow, format_table, write_report
 
 EXIT_USAGE = 2
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SHIPPED = "shipped tiny pair"
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""What ``torch.manual_seed`` accepts; anything else overflows inside torch."""
 
 
 class UsageError(Exception):
@@ -80,7 +88,28 @@ def _name_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise argparse.ArgumentTypeError("--selectors expects comma-separated selector names")
+    for name in names:
+        base, plus, estimator = name.partition("+")
+        if plus and not (base.strip() and estimator.strip()):
+            raise argparse.ArgumentTypeError(
+                f"{name!r} needs a selector name and an estimator around '+' "
+                "(e.g. tetris+calibrated)"
+            )
     return names
+
+
+def _seed(text: str) -> int:
+    """An argparse ``type`` for ``--seed``: an integer torch can take (it overflows otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seed expects an integer, got {text!r}") from None
+    low, high = SEED_RANGE
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(
+            f"--seed must be between -2**63 and 2**64 - 1 (torch's seed range), got {value}"
+        )
+    return value
 
 
 def _tree_spec(text: str) -> Any:
@@ -124,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="compare selectors (exact greedy replay, or live generation)",
         description="Record greedy traces of a target/draft pair on a set of prompts and "
         "compare selectors on them: tokens per step, VSR and goodput, each relative to "
-        "fixed-window speculative decoding at the same k, with the oracle as the upper bound. "
+        "fixed-window speculative decoding at the same k, with the oracle (a per-step bound) as "
+        "the reference. "
         "Defaults to the pair and prompts shipped with specselect.",
     )
     models = compare.add_argument_group("models and prompts")
@@ -145,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument(
         "--traces",
         type=Path,
-        help="reuse traces from this file if it exists, else record them and save them there",
+        help="reuse traces from this file if it exists (checked against --target/--draft, "
+        "--prompts and --limit when given, and in live mode), else record them and save them there",
     )
     grid = compare.add_argument_group("selectors and grids")
     grid.add_argument(
@@ -201,12 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--device", default="cpu", help="torch device for the models")
     run.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype")
-    run.add_argument("--seed", type=int, default=0, help="torch seed")
+    run.add_argument("--seed", type=_seed, default=0, help="torch seed")
     run.add_argument(
         "--out",
         type=Path,
         default=Path("specselect-compare"),
-        help="output directory (results.json, report.md, plots, traces.pt)",
+        help="output directory (results.json, report.md, plots, traces.pt), created and "
+        "checked for writing before any work",
     )
     run.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -276,9 +308,32 @@ def _check_model_dir(option: str, path: Path) -> None:
         raise UsageError(f"{option} {str(path)!r} has no config.json (not an HF model directory)")
 
 
+def check_device(device: str) -> None:
+    """``--device`` names a device this torch can use (torch asserts, with a traceback, if not)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UsageError(
+            f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)"
+        ) from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(
+                f"--device {device!r}: CUDA is not available (this torch "
+                f"{torch.__version__} has no CUDA support or sees no GPU); use --device cpu"
+            )
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise UsageError(
+                f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible"
+            )
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {device!r}: MPS is not available; use --device cpu")
+
+
 def load_inputs(args: argparse.Namespace) -> Inputs:
     """Models, tokenizer and prompt texts (the shipped ones unless the user gave their own)."""
     check_model_args(args)
+    check_device(args.device)
     given = read_prompts(args.prompts) if args.prompts is not None else None
     if args.target is not None and given is None:
         raise UsageError("--prompts is required with --target/--draft")
@@ -286,7 +341,7 @@ def load_inputs(args: argparse.Namespace) -> Inputs:
     if args.target is None:
         target, draft, tokenizer, shipped = _shipped(args)
         prompts = shipped if given is None else given
-        source = "shipped tiny pair"
+        source = SHIPPED
     else:
         assert given is not None  # checked above
         prompts = given
@@ -352,15 +407,12 @@ def obtain_traces(args: argparse.Namespace, max_k: int) -> tuple[Traces, Inputs 
     """Load ``--traces`` if it exists (checked against the run), else record (and save) them."""
     path: Path | None = args.traces
     if path is not None and path.exists():
-        try:
-            traces = load_traces(path)
-        except (ValueError, FileNotFoundError) as exc:
-            raise UsageError(str(exc)) from None
+        traces = _load_traces_arg(path)
         _check_loaded(traces, path, max_k, args.max_new_tokens)
-        inputs = load_inputs(args) if args.mode == "live" else None
-        if args.limit is not None:
-            traces = traces.subset(range(min(args.limit, traces.num_requests)))
-        return traces, inputs
+        inputs = load_inputs(args) if _names_inputs(args) else None
+        return _requests_to_use(traces, path, inputs, args.limit), inputs
+    if path is not None:  # before recording, not after: the recording would be lost
+        check_writable_dir("--traces", path.parent)
     inputs = load_inputs(args)
     prompt_ids = tokenize(inputs.tokenizer, inputs.prompts)
     traces = record_traces(
@@ -372,8 +424,30 @@ def obtain_traces(args: argparse.Namespace, max_k: int) -> tuple[Traces, Inputs 
         progress=not args.quiet,
         meta={"source": inputs.source},
     )
-    save_traces(traces, path if path is not None else args.out / "traces.pt")
+    option, target = ("--traces", path) if path is not None else ("--out", args.out / "traces.pt")
+    try:
+        save_traces(traces, target)
+    except OSError as exc:
+        raise UsageError(f"{option}: cannot write {str(target)!r}: {_reason(exc)}") from None
     return traces, inputs
+
+
+def _load_traces_arg(path: Path) -> Traces:
+    """``load_traces`` with one-line errors naming ``--traces`` (torch's are long and cryptic)."""
+    if path.is_dir():
+        raise UsageError(f"--traces {str(path)!r} is a directory, not a specselect trace file")
+    try:
+        return load_traces(path)
+    except OSError as exc:
+        raise UsageError(f"--traces {str(path)!r}: cannot read it: {_reason(exc)}") from None
+    except (ValueError, TypeError, KeyError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        if "trace format version" in first:  # a trace file, of another version
+            raise UsageError(f"--traces {first}") from None
+        raise UsageError(
+            f"--traces {str(path)!r} is not a specselect trace file (record one with "
+            "specselect compare --traces NEW_FILE)"
+        ) from None
 
 
 def _check_loaded(traces: Traces, path: Path, max_k: int, max_new_tokens: int) -> None:
@@ -387,6 +461,111 @@ def _check_loaded(traces: Traces, path: Path, max_k: int, max_new_tokens: int) -
             f"traces {str(path)!r} were recorded with max_new_tokens="
             f"{traces.max_new_tokens}, not {max_new_tokens}"
         )
+
+
+def _names_inputs(args: argparse.Namespace) -> bool:
+    """Does the run say which models and prompts it is about, so stored traces must match?
+
+    ``--traces`` alone (replay) takes the traces as the inputs and never loads a model; naming
+    models or prompts, or running them live, makes the traces a claim about those to check.
+    """
+    return args.mode == "live" or args.target is not None or args.prompts is not None
+
+
+def _requests_to_use(
+    traces: Traces, path: Path, inputs: Inputs | None, limit: int | None
+) -> Traces:
+    """The traces of the requests this run asks for, checked against its models and prompts."""
+    held = traces.num_requests
+    wanted = len(inputs.prompts) if inputs is not None else (limit or held)
+    if wanted > held:
+        asked = (
+            f"--limit {limit} asks for"
+            if limit is not None and limit > held
+            else f"this run has {wanted} prompts,"
+        )
+        print(
+            f"specselect: warning: {asked} more requests than --traces {str(path)!r} holds "
+            f"({held}); using those {held}",
+            file=sys.stderr,
+        )
+    used = min(wanted, held)
+    if inputs is not None:
+        _check_models(traces, path, inputs)
+        _check_prompts(traces, path, inputs, used)
+    return traces if used == held else traces.subset(range(used))
+
+
+_MODEL_FIELDS = ("name_or_path", "class", "dtype", "parameters")
+"""What ``record_traces`` stores of each model (``_describe_model``) and reuse compares."""
+
+
+def _check_models(traces: Traces, path: Path, inputs: Inputs) -> None:
+    """The traces' stored model descriptions match this run's models (fields absent: skipped).
+
+    Without this, new models would replay (or, live, run on prompt ids from) another pair.
+    """
+    shipped = traces.meta.get("source") == SHIPPED == inputs.source
+    differences = [
+        f"{role} {key} {stored!r} (this run: {current!r})"
+        for role, model in (("target", inputs.target), ("draft", inputs.draft))
+        for key, stored, current in _model_fields(traces.meta.get(role), model)
+        if not _same_field(key, stored, current, shipped)
+    ]
+    if differences:
+        raise UsageError(
+            f"--traces {str(path)!r} were recorded from other models: "
+            f"{'; '.join(differences)}; record again into a new file"
+        )
+
+
+def _model_fields(stored: Any, model: Any) -> list[tuple[str, Any, Any]]:
+    """``(field, stored, current)`` for the fields the traces hold (older files hold fewer)."""
+    if not isinstance(stored, dict):
+        return []
+    current = _describe_model(model)
+    return [(key, stored[key], current[key]) for key in _MODEL_FIELDS if key in stored]
+
+
+def _same_field(key: str, stored: Any, current: Any, shipped: bool) -> bool:
+    """Paths compare resolved; the shipped pair's path is skipped (a reinstall moves it)."""
+    if key != "name_or_path":
+        return bool(stored == current)
+    return shipped or Path(str(stored)).resolve() == Path(str(current)).resolve()
+
+
+def _check_prompts(traces: Traces, path: Path, inputs: Inputs, used: int) -> None:
+    """The first ``used`` prompts tokenize to the token ids the traces were recorded from."""
+    current = tokenize(inputs.tokenizer, inputs.prompts[:used])
+    for index, (mine, recorded) in enumerate(zip(current, traces.prompt_ids, strict=False)):
+        if not torch.equal(mine, recorded.to(torch.int64)):
+            raise UsageError(
+                f"--traces {str(path)!r} were recorded from other prompts: this run's prompt "
+                f"{index} ({inputs.prompts[index][:30]!r}) does not tokenize to the recorded "
+                "token ids; record again into a new file"
+            )
+
+
+def check_writable_dir(option: str, path: Path) -> None:
+    """Create ``path`` and write a probe file in it: a bad ``--out`` must fail before the work.
+
+    (``os.access`` is not enough: it says yes to root on read-only mounts, and to nothing on
+    paths that do not exist yet.)
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except FileExistsError:
+        raise UsageError(f"{option} {str(path)!r} exists and is not a directory") from None
+    except OSError as exc:
+        raise UsageError(
+            f"{option} {str(path)!r} is not a writable directory: {_reason(exc)}"
+        ) from None
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc) or type(exc).__name__
 
 
 # --------------------------------------------------------------------------------------------
@@ -470,16 +649,24 @@ def run_compare(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     max_k = max(args.k) + max(args.extra)
+    check_writable_dir("--out", args.out)
     traces, inputs = obtain_traces(args, max_k)
     cost_model = CostModel()
-    replayed = compare_replay(traces, configs, args.slots, cost_model, progress=not args.quiet)
-    rows = [
-        _row(config, result.totals, "modelled", result.calibration()) for config, result in replayed
-    ]
     if args.mode == "live":
-        rows = _live_rows(args, inputs, traces, configs, rows, cost_model)
+        rows = _live_rows(args, inputs, traces, configs, cost_model)
+    else:
+        replayed = compare_replay(traces, configs, args.slots, cost_model, progress=not args.quiet)
+        rows = [
+            _row(config, result.totals, "modelled", result.calibration())
+            for config, result in replayed
+        ]
     meta = _meta(args, traces, cost_model, time.perf_counter() - began)
-    written = write_report(rows, args.out, meta, plots=not args.no_plots and _have_matplotlib())
+    try:
+        written = write_report(rows, args.out, meta, plots=not args.no_plots and _have_matplotlib())
+    except OSError as exc:
+        raise UsageError(
+            f"--out {str(args.out)!r}: cannot write the report: {_reason(exc)}"
+        ) from None
     print(format_table(rows))
     print()
     for kind, path in written.items():
@@ -511,10 +698,9 @@ def _live_rows(
     inputs: Inputs | None,
     traces: Traces,
     configs: Sequence[SelectorConfig],
-    replayed: list[ResultRow],
     cost_model: CostModel,
 ) -> list[ResultRow]:
-    """Live rows for every real selector; the oracle keeps its replay row (it cannot run live).
+    """Live rows for every real selector; the oracle gets a replay row (it cannot run live).
 
     A short untimed warm-up run comes first: the first forward passes of a process pay for
     one-off initialisation, which would otherwise be charged to the first configuration.
@@ -525,24 +711,42 @@ def _live_rows(
     warm_up = SelectorConfig("fixed", 1, None, None, {"k": 1})
     live_totals(inputs, prompt_ids[: args.slots], warm_up, args.slots, 4, cost_model)
     rows = []
-    for config, row in zip(configs, replayed, strict=True):
+    trees_done: set[tuple[str, int, int | None]] = set()
+    for config in configs:
         if config.name == OracleSelector.name:
-            rows.append(row)
+            rows.append(_static_oracle_row(traces, config, args.slots, cost_model))
             continue
         totals = live_totals(
             inputs, prompt_ids, config, args.slots, args.max_new_tokens, cost_model
         )
         rows.append(_row(config, totals, "measured"))
-        if args.tree is not None and config.build().supports_trees:
-            tree_totals = live_totals(
-                inputs, prompt_ids, config, args.slots, args.max_new_tokens, cost_model, args.tree
-            )
-            tree = args.tree
-            label = replace(
-                config, name=f"{config.name} tree({tree.depth},{tree.branch},{tree.width})"
-            )
-            rows.append(_row(label, tree_totals, "measured"))
+        tree_key = (config.name, config.k, config.budget)
+        if args.tree is None or tree_key in trees_done or not config.build().supports_trees:
+            continue
+        trees_done.add(tree_key)  # the tree's shape, not extra, sets what is drafted
+        tree_totals = live_totals(
+            inputs, prompt_ids, config, args.slots, args.max_new_tokens, cost_model, args.tree
+        )
+        tree = args.tree
+        label = replace(
+            config,
+            name=f"{config.name} tree({tree.depth},{tree.branch},{tree.width})",
+            extra=None,
+        )
+        rows.append(_row(label, tree_totals, "measured"))
     return rows
+
+
+def _static_oracle_row(
+    traces: Traces, config: SelectorConfig, slots: int, cost_model: CostModel
+) -> ResultRow:
+    """The oracle replayed in static batches (``refill=False``), as the live rows run.
+
+    A refilling replay would batch the requests differently from the live rows beside it, so
+    its bound would not be a bound for them.
+    """
+    result = replay(traces, config.build(cost_model), slots, cost_model, refill=False)
+    return _row(config, result.totals, "modelled", result.calibration())
 
 
 def _meta(args: argparse.Namespace, traces: Traces, cost: CostModel, seconds: float) -> dict:

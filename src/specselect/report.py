@@ -13,6 +13,9 @@ The distinct per-step quantities shown besides tokens per step and VSR are per *
 * ``accepted / request-step``: ``tokens per step - 1``, shown because relative changes are
   clearer on it. (Accepted per verified token is the VSR itself.)
 
+A row that verified nothing has no VSR (0 / 0): it is shown as ``-`` and written as ``null``,
+not as 0, which would read as "every verified token was rejected" (and as -100% vs fixed SD).
+
 matplotlib is imported only when plots are drawn, and through its object-oriented API
 (``Figure`` + Agg canvas), so that writing a report never changes the caller's pyplot backend.
 """
@@ -79,6 +82,23 @@ class ResultRow:
 
 _RELATIVE = ("tokens_per_step", "accepted_per_request_step", "vsr", "goodput")
 
+PLOT_FILES = {
+    "tokens_plot": "tokens_per_step_vs_budget.png",
+    "vsr_plot": "vsr_vs_extra.png",
+    "reliability_plot": "reliability.png",
+}
+"""The plots :func:`write_report` may write, by kind; a run removes those it did not draw."""
+
+
+def _vsr(totals: Totals) -> float | None:
+    """The VSR, or None when nothing was verified (``Totals.vsr`` reports 0 there)."""
+    return totals.vsr if totals.verified else None
+
+
+def _metrics(row: ResultRow) -> dict[str, float | None]:
+    """``Totals.as_dict`` with an undefined VSR as None."""
+    return {**row.totals.as_dict(), "vsr": _vsr(row.totals)}
+
 
 def _baseline(rows: Sequence[ResultRow], k: int) -> ResultRow | None:
     for row in rows:
@@ -92,11 +112,15 @@ def relative_to_baseline(row: ResultRow, rows: Sequence[ResultRow]) -> dict[str,
     base = _baseline(rows, row.k)
     if base is None:
         return dict.fromkeys(_RELATIVE)
-    mine, theirs = row.totals.as_dict(), base.totals.as_dict()
-    ratios = {m: (mine[m] / theirs[m] if theirs[m] else None) for m in _RELATIVE}
+    mine, theirs = _metrics(row), _metrics(base)
+    ratios = {m: _ratio(mine[m], theirs[m]) for m in _RELATIVE}
     if row.goodput_kind != base.goodput_kind:  # modelled vs measured seconds: not comparable
         ratios["goodput"] = None
     return ratios
+
+
+def _ratio(mine: float | None, theirs: float | None) -> float | None:
+    return None if mine is None or not theirs else mine / theirs
 
 
 def _pct(ratio: float | None) -> str:
@@ -105,6 +129,11 @@ def _pct(ratio: float | None) -> str:
 
 def _opt(value: int | None) -> str:
     return "-" if value is None else str(value)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    """``value`` formatted, or ``-`` when undefined."""
+    return "-" if value is None else format(value, spec)
 
 
 def _goodput_header(rows: Sequence[ResultRow]) -> str:
@@ -130,7 +159,7 @@ def _table_cells(rows: Sequence[ResultRow]) -> tuple[list[str], list[list[str]]]
     body = []
     for row in rows:
         rel = relative_to_baseline(row, rows)
-        m = row.totals.as_dict()
+        m = _metrics(row)
         body.append(
             [
                 row.selector,
@@ -141,7 +170,7 @@ def _table_cells(rows: Sequence[ResultRow]) -> tuple[list[str], list[list[str]]]
                 _pct(rel["tokens_per_step"]),
                 f"{m['accepted_per_request_step']:.3f}",
                 f"{m['verified_per_request_step']:.3f}",
-                f"{m['vsr']:.3f}",
+                _fmt(m["vsr"], ".3f"),
                 _pct(rel["vsr"]),
                 f"{m['goodput']:.1f}",
                 _pct(rel["goodput"]),
@@ -206,7 +235,7 @@ def results_json(rows: Sequence[ResultRow], meta: dict[str, Any]) -> dict[str, A
                 "budget": row.budget,
                 "params": row.params,
                 "goodput_kind": row.goodput_kind,
-                "metrics": row.totals.as_dict(),
+                "metrics": _metrics(row),
                 "relative_to_fixed": relative_to_baseline(row, rows),
                 "calibration": row.calibration,
             }
@@ -275,22 +304,40 @@ _COLUMNS_NOTE = (
     "what was spent. `acc/step` and `ver/step` are accepted and verified draft tokens per active "
     "request per step (accepted per verified token is the VSR). `C` is an absolute budget per "
     "step (`-`: the default `k * active requests`). The oracle knows the true run lengths and "
-    "spends the budget only on tokens that will be accepted: the upper bound for selectors with "
-    "the same window (`k + extra`) and budget (`k` per request)."
+    "spends the budget only on tokens that will be accepted: at each step, the most a selector "
+    "with the same window (`k + extra`) and budget (`k` per request) could accept (a per-step "
+    "bound, not a bound over whole runs)."
 )
+
+
+_MODELLED_NOTE = (
+    "Goodput is **modelled**: emitted tokens per second of the cost model "
+    "(`specselect.cost.CostModel`, coefficients below), not a measurement of these models."
+)
+_MEASURED_NOTE = (
+    "Goodput is **measured**: wall-clock time of `speculative_generate` on this machine."
+)
+
+
+def _goodput_note(rows: Sequence[ResultRow]) -> str:
+    """Say which goodputs were measured and which modelled (live runs mix both: the oracle)."""
+    if all(r.goodput_kind != "measured" for r in rows):
+        return _MODELLED_NOTE
+    modelled = sorted({r.selector for r in rows if r.goodput_kind != "measured"})
+    if not modelled:
+        return _MEASURED_NOTE
+    return (
+        "Goodput is **measured** wall-clock time of `speculative_generate` on this machine, "
+        f"except in the rows of {', '.join(f'`{name}`' for name in modelled)}: those are "
+        "replayed, not run, so their goodput is **modelled** by the cost model "
+        "(`specselect.cost.CostModel`) and is not compared with measured ones."
+    )
 
 
 def markdown_report(
     rows: Sequence[ResultRow], meta: dict[str, Any], plots: Sequence[str] = ()
 ) -> str:
     """A self-contained markdown report (``plots``: image paths relative to the report)."""
-    kinds = {r.goodput_kind for r in rows}
-    goodput_note = (
-        "Goodput is **modelled**: emitted tokens per second of the cost model "
-        "(`specselect.cost.CostModel`, coefficients below), not a measurement of these models."
-        if kinds == {"modelled"}
-        else "Goodput is **measured** wall-clock time of `speculative_generate` on this machine."
-    )
     parts = [
         "# specselect compare",
         "",
@@ -302,7 +349,7 @@ def markdown_report(
         "",
         _COLUMNS_NOTE,
         "",
-        goodput_note,
+        _goodput_note(rows),
         "",
         markdown_table(rows),
         "",
@@ -416,8 +463,8 @@ def plot_vsr_vs_extra(rows: Sequence[ResultRow], path: str | Path) -> Path:
     for ax, k in zip(axes, ks, strict=False):
         panel = [r for r in rows if r.k == k]
         for name in sorted({r.selector for r in panel}):
-            mine = sorted(
-                ((r.extra, r.totals.vsr) for r in panel if r.selector == name),
+            mine = sorted(  # an undefined VSR (nothing verified) is a gap, not a 0
+                ((r.extra, _nan_if_none(_vsr(r.totals))) for r in panel if r.selector == name),
                 key=lambda p: -1 if p[0] is None else p[0],
             )
             xs: Sequence[Any]
@@ -433,6 +480,10 @@ def plot_vsr_vs_extra(rows: Sequence[ResultRow], path: str | Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("VSR (accepted / verified)")
     return _finish(fig, axes, Path(path))
+
+
+def _nan_if_none(value: float | None) -> float:
+    return float("nan") if value is None else value
 
 
 def calibration_error(bins: Sequence[dict[str, float]]) -> float:
@@ -511,16 +562,23 @@ def write_report(
     """Write ``results.json``, ``report.md`` and (optionally) the two PNG plots to ``out_dir``.
 
     Returns the written paths by kind (``json``, ``markdown``, ``tokens_plot``, ``vsr_plot``,
-    and ``reliability_plot`` when a ranking selector reported calibration bins).
+    and ``reliability_plot`` when a ranking selector reported calibration bins). Plots of
+    :data:`PLOT_FILES` this call does not draw are removed from ``out_dir``: left from an earlier
+    run into the same directory, they would pass for results of this one.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
     if plots:
-        written["tokens_plot"] = plot_tokens_vs_budget(rows, out / "tokens_per_step_vs_budget.png")
-        written["vsr_plot"] = plot_vsr_vs_extra(rows, out / "vsr_vs_extra.png")
+        written["tokens_plot"] = plot_tokens_vs_budget(rows, out / PLOT_FILES["tokens_plot"])
+        written["vsr_plot"] = plot_vsr_vs_extra(rows, out / PLOT_FILES["vsr_plot"])
         if _reliability_rows(rows):
-            written["reliability_plot"] = plot_reliability(rows, out / "reliability.png")
+            written["reliability_plot"] = plot_reliability(
+                rows, out / PLOT_FILES["reliability_plot"]
+            )
+    for kind, name in PLOT_FILES.items():
+        if kind not in written:
+            (out / name).unlink(missing_ok=True)
     json_path = out / "results.json"
     json_path.write_text(json.dumps(results_json(rows, meta), indent=2, default=_json_default))
     written["json"] = json_path

@@ -50,10 +50,13 @@ class DraftChain:
     probs: Tensor | None  # [B, k, V] float32: full q per position (sampling only)
 
     def to(self, device: torch.device) -> DraftChain:
-        probs = None if self.probs is None else self.probs.to(device, non_blocking=True)
+        # A copy to the CPU must not be asynchronous: the host would read it unfinished (a
+        # device-to-host copy with non_blocking=True returns before the data has arrived).
+        overlap = torch.device(device).type != "cpu"
+        probs = None if self.probs is None else self.probs.to(device, non_blocking=overlap)
         return DraftChain(
-            self.tokens.to(device, non_blocking=True),
-            self.logprobs.to(device, non_blocking=True),
+            self.tokens.to(device, non_blocking=overlap),
+            self.logprobs.to(device, non_blocking=overlap),
             probs,
         )
 

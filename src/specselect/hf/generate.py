@@ -135,20 +135,24 @@ def speculative_generate(
         target: HF causal LM (``attn_implementation`` ``"sdpa"`` or ``"eager"``).
         draft: HF causal LM sharing ``target``'s tokenizer; may sit on another device.
         input_ids: ``[B, P]`` left-padded prompts, ``B >= 1``.
-        attention_mask: ``[B, P]`` 0/1 (default all ones); every row's last column must be 1.
+        attention_mask: ``[B, P]`` 0/1; every row's last column must be 1. Default, as in
+            ``generate``: ``input_ids != pad_token_id`` when the pad id is set and is not an EOS
+            id, else all ones.
         selector: any :class:`~specselect.selection.Selector`; it is ``reset()`` first.
         max_new_tokens: new tokens per row (default: ``generation_config``'s, else 20).
         do_sample: sample instead of greedy decoding.
         temperature: sampling temperature, applied identically to both models (as are the
             next two).
-        top_k: keep the ``top_k`` most likely tokens when sampling.
+        top_k: keep the ``top_k`` most likely tokens when sampling (unset anywhere: 50, as in
+            ``generate``; 0 keeps every token).
         top_p: nucleus sampling threshold.
         eos_token_id: id or ids that end a row (``[]``: none; ``None``: the config's).
         pad_token_id: fills rows after their EOS (default: the config's, else the first EOS).
         generator: ``torch.Generator`` for sampling (another device gets a generator seeded
             from it).
-        generation_config: HF ``GenerationConfig`` (default ``target.generation_config``);
-            explicit arguments override its fields.
+        generation_config: HF ``GenerationConfig``, merged as ``generate`` does: its unset
+            fields come from ``target.generation_config``, then from transformers' global
+            defaults; explicit arguments override all of them.
         progress: show a tqdm bar of generated tokens.
         tokenizer: only needed when the models' vocabulary sizes differ (padding rows): its
             ``len()`` is the shared vocabulary both must cover.
@@ -161,16 +165,20 @@ def speculative_generate(
         :class:`SpeculativeOutput` with ``sequences`` and :class:`GenerationStats`.
     """
     t_handle, d_handle = ModelHandle.of("target", target), ModelHandle.of("draft", draft)
+    if tokenizer is not None and not isinstance(tokenizer, Sized):
+        raise TypeError(
+            "tokenizer must be a tokenizer (or any object with a len(): the shared vocabulary "
+            f"size) or None, got {type(tokenizer).__name__}"
+        )
     check_pair(t_handle.model, d_handle.model, tokenizer)
     if not isinstance(selector, Selector):
         raise TypeError(f"selector must be a specselect Selector, got {type(selector).__name__}")
     cache_slack = check_int("cache_slack", cache_slack)
     check_tree_mode(tree, selector)
-    input_ids, attention_mask = check_prompts(input_ids, attention_mask, t_handle)
     options = resolve_options(
         generation_config,
         getattr(target, "generation_config", None),
-        input_ids.shape[1],
+        check_tensor("input_ids", input_ids, rank=2).shape[1],
         max_new_tokens=max_new_tokens,
         do_sample=do_sample,
         temperature=temperature,
@@ -178,6 +186,9 @@ def speculative_generate(
         top_p=top_p,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
+    )
+    input_ids, attention_mask = check_prompts(
+        input_ids, attention_mask, t_handle, options.mask_pad_token_id
     )
     if tree is not None and tree.branch > t_handle.vocab:
         raise ValueError(
@@ -216,11 +227,16 @@ def check_tree_mode(tree: object, selector: Selector) -> None:
 
 
 def check_prompts(
-    input_ids: object, attention_mask: object, target: ModelHandle
+    input_ids: object,
+    attention_mask: object,
+    target: ModelHandle,
+    mask_pad_token_id: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Validate the prompts; return them on the target's device (mask as int64).
 
-    Value checks (ids in range, mask 0/1 and left-padded) read the data once, at setup.
+    Without ``attention_mask`` the mask is ``input_ids != mask_pad_token_id``, as ``generate``
+    infers it (it does so when the pad id is set and is not an EOS id), else all ones. Value
+    checks (ids in range, mask 0/1 and left-padded) read the data once, at setup.
     """
     ids = check_tensor("input_ids", input_ids, rank=2)
     if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
@@ -229,8 +245,10 @@ def check_prompts(
         raise ValueError("input_ids is an empty batch: expected shape [B, P] with B >= 1")
     if ids.shape[1] == 0:
         raise ValueError("input_ids has no tokens: expected shape [B, P] with P >= 1")
+    inferred = attention_mask is None and mask_pad_token_id is not None
     if attention_mask is None:
-        mask = torch.ones_like(ids, dtype=torch.int64)
+        pad = mask_pad_token_id
+        mask = torch.ones_like(ids, dtype=torch.int64) if pad is None else ids.ne(pad)
     else:
         mask = check_tensor("attention_mask", attention_mask, rank=2)
         if mask.shape != ids.shape:
@@ -241,6 +259,12 @@ def check_prompts(
     ids, mask = ids.to(target.device, torch.int64), mask.to(target.device, torch.int64)
     if not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError("attention_mask must contain only 0 and 1")
+    if inferred and not bool(mask[:, -1].all()):
+        raise ValueError(
+            f"attention_mask is None, so it is inferred from pad_token_id={mask_pad_token_id} as "
+            "generate() does, but some row of input_ids ends with that id (right padding?): "
+            "left-pad the prompts and pass attention_mask"
+        )
     if not bool(mask[:, -1].all()):
         raise ValueError(
             "attention_mask must be left-padded: the last column of every row must be 1 "

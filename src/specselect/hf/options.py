@@ -1,9 +1,14 @@
-"""Generation options: explicit keyword arguments over a ``GenerationConfig``, HF-style.
+"""Generation options, resolved the way ``model.generate`` resolves them.
 
-``speculative_generate`` reads the same fields as ``model.generate``: a ``generation_config``
-(default: the target's own), whose fields any explicit keyword argument overrides. Options the
-speculative loop does not implement (beam search, repetition penalties, ...) raise instead of being
-silently ignored, because the output would then differ from ``generate``'s.
+``speculative_generate`` reads the same fields as ``model.generate`` and merges them in the same
+order (transformers' ``GenerationMixin._prepare_generation_config``): the fields the caller's
+``generation_config`` sets, then the target's own ``generation_config`` for the fields still
+unset, then transformers' global defaults (``top_k=50``, ``max_length=20``, ...) for the rest, and
+finally the explicit keyword arguments. Skipping a step changes the output: without the global
+defaults sampling would ignore ``top_k=50``; without the model's config a caller's
+``generation_config`` would drop its EOS id. Options the speculative loop does not implement
+(beam search, repetition penalties, ...) raise instead of being silently ignored, because the
+output would then differ from ``generate``'s.
 """
 
 from __future__ import annotations
@@ -19,32 +24,51 @@ from specselect._checks import check_int
 from specselect.hf.draft import SamplingParams
 from specselect.sampling import check_temperature, check_top_p
 
-#: ``generate``'s default when neither ``max_new_tokens`` nor ``max_length`` is set.
+#: ``generate``'s default when neither ``max_new_tokens`` nor ``max_length`` is set: its global
+#: default ``max_length`` (20), counted from the end of the prompt.
 DEFAULT_MAX_NEW_TOKENS = 20
 
-# Fields whose non-neutral values change generate's output in ways the loop does not reproduce.
+# Fields whose non-neutral values change generate's output, in greedy decoding and sampling
+# alike, in ways the loop does not reproduce: other decoding modes (beam, contrastive, constrained,
+# DoLa), logits processors, stopping criteria, and input rewriting (token healing). The last
+# neutral value is the one to suggest.
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "num_beams": (None, 1),
     "num_beam_groups": (None, 1),
     "num_return_sequences": (None, 1),
     "penalty_alpha": (None, 0, 0.0),
+    "constraints": (None,),
+    "force_words_ids": (None,),
+    "dola_layers": (None,),
     "repetition_penalty": (None, 1, 1.0),
     "encoder_repetition_penalty": (None, 1, 1.0),
     "no_repeat_ngram_size": (None, 0),
     "min_new_tokens": (None, 0),
     "min_length": (None, 0),
-    "typical_p": (None, 1, 1.0),
-    "min_p": (None, 0, 0.0),
-    "epsilon_cutoff": (None, 0, 0.0),
-    "eta_cutoff": (None, 0, 0.0),
     "bad_words_ids": (None,),
     "suppress_tokens": (None,),
     "begin_suppress_tokens": (None,),
     "forced_bos_token_id": (None,),
     "forced_eos_token_id": (None,),
     "sequence_bias": (None,),
-    "stop_strings": (None,),
     "guidance_scale": (None, 1, 1.0),
+    "exponential_decay_length_penalty": (None,),
+    "remove_invalid_values": (None, False),
+    "watermarking_config": (None,),
+    "token_healing": (None, False),
+    "stop_strings": (None,),
+    "max_time": (None,),
+    "is_assistant": (None, False),
+}
+
+# Warpers generate() applies only when sampling: they change nothing in greedy decoding, where
+# generate() ignores them too.
+_UNSUPPORTED_WHEN_SAMPLING: dict[str, tuple[object, ...]] = {
+    "top_h": (None,),
+    "typical_p": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "epsilon_cutoff": (None, 0, 0.0),
+    "eta_cutoff": (None, 0, 0.0),
 }
 
 
@@ -56,6 +80,8 @@ class GenerationOptions:
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...]  # empty: no early stop
     pad_token_id: int
+    # The pad id a missing attention mask is inferred from (None: the mask is all ones).
+    mask_pad_token_id: int | None = None
 
 
 def resolve_options(
@@ -64,49 +90,89 @@ def resolve_options(
     prompt_width: int,
     **overrides: Any,
 ) -> GenerationOptions:
-    """Merge ``overrides`` (keyword arguments, ``None`` = not given) over a generation config.
+    """Merge ``generation_config``, ``default_config``, global defaults and ``overrides``.
 
     Args:
-        generation_config: the caller's config, or ``None`` for ``default_config``.
-        default_config: the target model's ``generation_config`` (may be ``None``).
+        generation_config: the caller's config (its set fields win), or ``None``.
+        default_config: the target model's ``generation_config`` (may be ``None``); it fills the
+            fields ``generation_config`` leaves unset.
         prompt_width: padded prompt length, to turn an explicit ``max_length`` into new tokens.
         overrides: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-            ``eos_token_id``, ``pad_token_id``.
+            ``eos_token_id``, ``pad_token_id`` (``None`` = not given); they override everything.
+    """
+    config, explicit_max_length = merge_generation_config(
+        generation_config, default_config, overrides
+    )
+    do_sample = config.do_sample
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"do_sample must be a bool, got {type(do_sample).__name__}")
+    _reject_unsupported(config, _UNSUPPORTED)
+    if do_sample:
+        _reject_unsupported(config, _UNSUPPORTED_WHEN_SAMPLING)
+    eos = _token_ids("eos_token_id", config.eos_token_id)
+    pad = config.pad_token_id
+    pad = None if pad is None else check_int("pad_token_id", pad)
+    return GenerationOptions(
+        max_new_tokens=_max_new_tokens(config, explicit_max_length, prompt_width),
+        sampling=_sampling(config),
+        eos_token_ids=eos,
+        pad_token_id=pad if pad is not None else (eos[0] if eos else 0),
+        mask_pad_token_id=pad if pad is not None and pad not in eos else None,
+    )
+
+
+def merge_generation_config(
+    generation_config: GenerationConfig | None,
+    default_config: GenerationConfig | None,
+    overrides: dict[str, Any],
+) -> tuple[GenerationConfig, bool]:
+    """The merged config and whether ``max_length`` was set before the global defaults.
+
+    Mirrors ``GenerationMixin._prepare_generation_config``: a copy of the caller's config (or an
+    empty one) takes the model config's values for its unset (``None``) fields, then the global
+    defaults for those still unset, then every given keyword argument. Neither input is modified.
+    ``generate`` counts a ``max_length`` set by the caller or the model from the start of the
+    prompt, but its global default of 20 from the end: the flag tells them apart.
     """
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         raise TypeError(
             "generation_config must be a transformers.GenerationConfig, "
             f"got {type(generation_config).__name__}"
         )
-    base = generation_config if generation_config is not None else default_config
-    config = copy.deepcopy(base) if base is not None else GenerationConfig()
+    config = GenerationConfig() if generation_config is None else copy.deepcopy(generation_config)
+    if isinstance(default_config, GenerationConfig):
+        config.update(**default_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    explicit_max_length = config.max_length is not None
+    config.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)
     for key, value in overrides.items():
         if value is not None:
             setattr(config, key, value)
-    _reject_unsupported(config)
-    eos = _token_ids("eos_token_id", config.eos_token_id)
-    pad = config.pad_token_id
-    pad_id = check_int("pad_token_id", pad) if pad is not None else (eos[0] if eos else 0)
-    return GenerationOptions(
-        max_new_tokens=_max_new_tokens(config, prompt_width),
-        sampling=_sampling(config),
-        eos_token_ids=eos,
-        pad_token_id=pad_id,
-    )
+    return config, explicit_max_length
 
 
-def _max_new_tokens(config: GenerationConfig, prompt_width: int) -> int:
-    """``max_new_tokens``, else ``max_length - prompt_width``, else generate's default of 20."""
+def _max_new_tokens(config: GenerationConfig, explicit_max_length: bool, prompt_width: int) -> int:
+    """``max_new_tokens``, else an explicit ``max_length - prompt_width``, else the default 20.
+
+    An explicit ``max_length`` that leaves no room after the prompt raises, as in ``generate``.
+    """
     if config.max_new_tokens is not None:
         return check_int("max_new_tokens", config.max_new_tokens)
-    if config.max_length is not None:
-        max_length = check_int("max_length", config.max_length)
-        return max(0, max_length - prompt_width)
-    return DEFAULT_MAX_NEW_TOKENS
+    if config.max_length is None:
+        return DEFAULT_MAX_NEW_TOKENS
+    max_length = check_int("max_length", config.max_length)
+    if not explicit_max_length:
+        return max_length  # generate() adds the global default to the prompt length
+    if max_length <= prompt_width:
+        raise ValueError(
+            f"max_length ({max_length}) must exceed the padded prompt length ({prompt_width}): "
+            "it counts the prompt, as in generate(); increase it or set max_new_tokens instead"
+        )
+    return max_length - prompt_width
 
 
 def _sampling(config: GenerationConfig) -> SamplingParams:
-    if not bool(config.do_sample):
+    """Greedy, or the warpers ``generate`` applies when sampling (top-k 0 keeps everything)."""
+    if not config.do_sample:
         return SamplingParams(do_sample=False)
     temperature = 1.0 if config.temperature is None else check_temperature(config.temperature)
     top_k = config.top_k
@@ -125,11 +191,24 @@ def _token_ids(name: str, value: object) -> tuple[int, ...]:
     return tuple(check_int(name, v) for v in items)
 
 
-def _reject_unsupported(config: GenerationConfig) -> None:
-    for field, neutral in _UNSUPPORTED.items():
+def _reject_unsupported(config: GenerationConfig, fields: dict[str, tuple[object, ...]]) -> None:
+    """Raise for the first field of ``fields`` whose value is not one of its neutral values.
+
+    The value may come from the target's ``generation_config`` rather than the caller's, so the
+    message says so: leaving the field unset in the caller's config would inherit it again.
+    """
+    for field, neutral in fields.items():
         value = getattr(config, field, None)
         if not any(value is n or value == n for n in neutral):
             raise ValueError(
-                f"generation_config.{field}={value!r} is not supported by speculative_generate "
-                "(only greedy decoding and sampling with temperature/top-k/top-p are)"
+                f"generation_config.{field}={value!r} is not supported by speculative_generate, "
+                "which implements greedy decoding and sampling with temperature/top-k/top-p "
+                f"only: {_switch_off_hint(field, neutral[-1])}"
             )
+
+
+def _switch_off_hint(field: str, neutral: object) -> str:
+    """How to switch ``field`` off; ``None`` in the caller's config would inherit the model's."""
+    if neutral is None:
+        return f"unset it (if it comes from target.generation_config, set {field}=None there)"
+    return f"set {field}={neutral!r} (an unset field takes target.generation_config's value)"
