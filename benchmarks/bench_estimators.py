@@ -10,8 +10,8 @@ plus the share of the fixed-to-oracle gap each variant closes.
     python benchmarks/bench_estimators.py --traces t.pt  # reuse (or save) recorded traces
     python benchmarks/bench_estimators.py --live-sampling  # plus live runs at temperature 1
 
-Live sampling runs ``speculative_generate`` (temperature 1, the loop feeds selectors causal
-scores) over the same prompts in static batches and reports VSR and tokens per step.
+Live sampling runs ``speculative_generate`` (temperature 1, no top-k, the loop feeds selectors
+causal scores) over the same prompts in static batches and reports VSR and tokens per step.
 """
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ def live_sampling(args: argparse.Namespace) -> None:
                     max_new_tokens=args.max_new_tokens,
                     do_sample=True,
                     temperature=1.0,
+                    top_k=0,  # the whole vocabulary (generate's default would be top_k=50)
                     eos_token_id=[],
                     generator=torch.Generator().manual_seed(start),
                 )
