@@ -79,6 +79,28 @@ def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs[keep].numpy(), exp[keep].numpy()).pvalue)
 
 
+def interleaved_prompts(rows_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``: ``PROMPTS`` alternating row by row, left-padded."""
+    width = max(len(p) for p in PROMPTS)
+    ids = torch.full((len(PROMPTS) * rows_per_prompt, width), PAD_ID)
+    mask = torch.zeros_like(ids)
+    for i, prompt in enumerate(PROMPTS):
+        ids[i :: len(PROMPTS), width - len(prompt) :] = torch.tensor(prompt)
+        mask[i :: len(PROMPTS), width - len(prompt) :] = 1
+    return ids, mask
+
+
+def assert_follows_target(target, new: torch.Tensor, config: dict[str, float]) -> None:
+    """The first two new tokens (jointly) and the third of each prompt's rows of
+    :func:`interleaved_prompts` fit the exact target distribution (chi-square, ``ALPHA``)."""
+    for i, prompt in enumerate(PROMPTS):
+        joint, third = exact_distributions(target, prompt, config)
+        rows = new[i :: len(PROMPTS)]
+        observed_joint = torch.bincount(rows[:, 0] * VOCAB + rows[:, 1], minlength=VOCAB**2)
+        assert chi_square_pvalue(observed_joint, joint) > ALPHA
+        assert chi_square_pvalue(torch.bincount(rows[:, 2], minlength=VOCAB), third) > ALPHA
+
+
 # Selectors that look at draft probabilities (TETRIS as in the paper, TETRIS with its default
 # estimator, a confidence threshold) are where a non-causal selection would bias sampling.
 SELECTORS = {
@@ -94,12 +116,8 @@ SELECTORS = {
 def test_sampled_tokens_follow_target_distribution(pair, config_name: str, selector_name: str):
     target, draft = pair
     config = CONFIGS[config_name]
-    width = max(len(p) for p in PROMPTS)
-    ids = torch.full((len(PROMPTS) * ROWS_PER_PROMPT, width), PAD_ID)
-    mask = torch.zeros_like(ids)
-    for i, prompt in enumerate(PROMPTS):
-        ids[i::2, width - len(prompt) :] = torch.tensor(prompt)
-        mask[i::2, width - len(prompt) :] = 1
+    ids, mask = interleaved_prompts(ROWS_PER_PROMPT)
+    width = ids.shape[1]
     out = speculative_generate(
         target,
         draft,
@@ -116,12 +134,7 @@ def test_sampled_tokens_follow_target_distribution(pair, config_name: str, selec
     assert 0.3 < totals.vsr < 0.95, "the fixture must exercise both acceptance and rejection"
     new = out.sequences[:, width:]
     assert new.shape == (ids.shape[0], MAX_NEW)
-    for i, prompt in enumerate(PROMPTS):
-        joint, third = exact_distributions(target, prompt, config)
-        rows = new[i::2]
-        observed_joint = torch.bincount(rows[:, 0] * VOCAB + rows[:, 1], minlength=VOCAB**2)
-        assert chi_square_pvalue(observed_joint, joint) > ALPHA
-        assert chi_square_pvalue(torch.bincount(rows[:, 2], minlength=VOCAB), third) > ALPHA
+    assert_follows_target(target, new, config)
 
 
 DEFAULTS_ROWS = 2000

@@ -34,10 +34,9 @@ from specselect.tree import build_tree_buffers
 from test_generate_greedy import MAX_NEW, MAX_PROMPT, SEEDS, case, row_endings
 from test_generate_sampling import (
     ALPHA,
-    PROMPTS,
-    VOCAB,
+    assert_follows_target,
     chi_square_pvalue,
-    exact_distributions,
+    interleaved_prompts,
 )
 from test_generate_sampling import pair as sampling_pair  # noqa: F401  (module fixture)
 
@@ -251,12 +250,8 @@ def test_tree_sampling_follows_target_distribution(
     (jointly) and the third token against the exact target distribution; the tree is
     depth 2 x branch 2 x width 2 (MAX_NEW = 3 caps the depth at 2)."""
     target, draft = sampling_pair
-    width = max(len(p) for p in PROMPTS)
-    ids = torch.full((len(PROMPTS) * ROWS_PER_PROMPT, width), PAD_ID)
-    mask = torch.zeros_like(ids)
-    for i, prompt in enumerate(PROMPTS):
-        ids[i::2, width - len(prompt) :] = torch.tensor(prompt)
-        mask[i::2, width - len(prompt) :] = 1
+    ids, mask = interleaved_prompts(ROWS_PER_PROMPT)
+    width = ids.shape[1]
     selector = make_selector("tetris", k=3, extra=1, estimator=None, guard=False)
     if selector_name == "fixed":
         selector = make_selector("fixed", k=3)
@@ -278,12 +273,7 @@ def test_tree_sampling_follows_target_distribution(
     assert 0.1 < totals.vsr < 0.95, "the fixture must exercise both acceptance and rejection"
     assert max(int(v.max()) for v in out.stats.accepted_per_step) == 2
     new = out.sequences[:, width:]
-    for i, prompt in enumerate(PROMPTS):
-        joint, third = exact_distributions(target, prompt, config)
-        rows = new[i::2]
-        observed_joint = torch.bincount(rows[:, 0] * VOCAB + rows[:, 1], minlength=VOCAB**2)
-        assert chi_square_pvalue(observed_joint, joint) > ALPHA
-        assert chi_square_pvalue(torch.bincount(rows[:, 2], minlength=VOCAB), third) > ALPHA
+    assert_follows_target(target, new, config)
 
 
 class _ConstantLM(LlamaForCausalLM):

@@ -28,18 +28,25 @@ def set_device_value_checks(enabled: bool) -> None:
     _DEVICE_VALUE_CHECKS = bool(enabled)
 
 
+def readable_eagerly(t: Tensor) -> bool:
+    """Whether ``t``'s memory can be read right now: a real tensor (not fake, meta or
+    functorch-wrapped) outside ``torch.compile`` and tracing dispatch modes (``make_fx``).
+
+    Value checks read it through PyTorch; the fused CPU kernel through a raw pointer.
+    """
+    return (
+        not torch.compiler.is_compiling()  # first: Dynamo cannot trace the checks below
+        and type(t) is Tensor
+        and t.device.type != "meta"
+        and _get_current_dispatch_mode() is None
+        and not is_functorch_wrapped_tensor(t)
+    )
+
+
 def _values_checkable(t: Tensor) -> bool:
-    """Whether reading ``t``'s values is cheap and possible: a real tensor (not fake, meta or
-    functorch-wrapped), not being traced, on the CPU (or anywhere, if asked for)."""
-    if (
-        torch.compiler.is_compiling()
-        or type(t) is not Tensor
-        or t.device.type == "meta"
-        or _get_current_dispatch_mode() is not None
-        or is_functorch_wrapped_tensor(t)
-    ):
-        return False
-    return t.device.type == "cpu" or _DEVICE_VALUE_CHECKS
+    """Whether reading ``t``'s values is cheap and possible: readable, on the CPU (or
+    anywhere, if asked for)."""
+    return readable_eagerly(t) and (t.device.type == "cpu" or _DEVICE_VALUE_CHECKS)
 
 
 def check_int(name: str, value: object, *, minimum: int = 0) -> int:

@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from torch._C._functorch import is_functorch_wrapped_tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from specselect._checks import readable_eagerly
 
 __all__ = ["available", "cheapest_mask", "disabled", "run", "status", "usable_for"]
 
@@ -101,9 +101,8 @@ def usable_for(costs: Tensor, keep: Tensor | None) -> bool:
     (``torch.compile``, ``make_fx``, ``torch.jit.trace``) would not see.
     """
     return (
-        not torch.compiler.is_compiling()  # first: Dynamo cannot trace the checks below
+        readable_eagerly(costs)  # first: it also keeps Dynamo away from the checks below
         and not _State.suspended
-        and type(costs) is Tensor
         and costs.device.type == "cpu"
         and costs.dtype == torch.float32
         and costs.numel() < 2**31  # the kernel's histograms count in 32 bits
@@ -111,8 +110,6 @@ def usable_for(costs: Tensor, keep: Tensor | None) -> bool:
         and not costs.requires_grad
         and not costs.is_neg()
         and not torch.jit.is_tracing()
-        and _get_current_dispatch_mode() is None
-        and not is_functorch_wrapped_tensor(costs)
         and available()
     )
 

@@ -50,15 +50,15 @@ class DraftChain:
     probs: Tensor | None  # [B, k, V] float32: full q per position (sampling only)
 
     def to(self, device: torch.device) -> DraftChain:
-        # A copy to the CPU must not be asynchronous: the host would read it unfinished (a
-        # device-to-host copy with non_blocking=True returns before the data has arrived).
-        overlap = torch.device(device).type != "cpu"
-        probs = None if self.probs is None else self.probs.to(device, non_blocking=overlap)
-        return DraftChain(
-            self.tokens.to(device, non_blocking=overlap),
-            self.logprobs.to(device, non_blocking=overlap),
-            probs,
-        )
+        probs = None if self.probs is None else move(self.probs, device)
+        return DraftChain(move(self.tokens, device), move(self.logprobs, device), probs)
+
+
+def move(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on ``device``, asynchronously unless the copy goes to the CPU: a device-to-host copy
+    with ``non_blocking=True`` returns before the data has arrived, and the host would read it
+    unfinished."""
+    return t.to(device, non_blocking=torch.device(device).type != "cpu")
 
 
 def align_vocab(logits: Tensor, width: int) -> Tensor:  # [..., V_d] -> [..., width]

@@ -33,7 +33,7 @@ from torch import Tensor
 from specselect._checks import check_int
 from specselect.hf.cache import forward_block
 from specselect.hf.compat import ModelHandle
-from specselect.hf.draft import ChainDrafter, SamplingParams, align_vocab
+from specselect.hf.draft import ChainDrafter, SamplingParams, align_vocab, move
 from specselect.sampling import sample_from
 from specselect.scores import causal_logprobs, expected_self_logprob
 from specselect.tree import path_sums
@@ -91,15 +91,12 @@ class DraftTree:
     probs: Tensor | None  # [B, N + 1, V]: q after the root (col 0) and after node j (col j + 1)
 
     def to(self, device: torch.device) -> DraftTree:
-        # A copy to the CPU must not be asynchronous: the host would read it unfinished.
-        overlap = torch.device(device).type != "cpu"
-        probs = None if self.probs is None else self.probs.to(device, non_blocking=overlap)
         return DraftTree(
-            self.tokens.to(device, non_blocking=overlap),
-            self.logprobs.to(device, non_blocking=overlap),
-            self.parents.to(device, non_blocking=overlap),
-            self.depth.to(device, non_blocking=overlap),
-            probs,
+            move(self.tokens, device),
+            move(self.logprobs, device),
+            move(self.parents, device),
+            move(self.depth, device),
+            None if self.probs is None else move(self.probs, device),
         )
 
 
