@@ -89,7 +89,7 @@ def sliding_window_target(models) -> nn.Module:
         num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
-        sliding_window=16,
+        sliding_window=8,  # < the longest prompt (6) + max_new_tokens (4),
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=2,
