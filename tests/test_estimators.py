@@ -42,10 +42,10 @@ def run_stream(
         estimates = estimator.estimate(logprobs)
         accept = torch.rand(ROWS, WIDTH, generator=gen) < acceptance(logprobs.exp(), rows)
         num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
-        selection = Selection.from_lengths(torch.full((ROWS,), WIDTH), WIDTH)
-        estimator.observe(logprobs, selection, num_accepted)
+        outcomes = observed_outcomes(torch.full((ROWS,), WIDTH), num_accepted, WIDTH)
+        estimator.learn(logprobs, *outcomes)
         if guard is not None:
-            guard.observe(estimates, *observed_outcomes(selection.lengths, num_accepted, WIDTH))
+            guard.observe(estimates, *outcomes)
     return gen
 
 
@@ -152,8 +152,8 @@ def test_estimators_run_on_meta_tensors(name: str) -> None:
     estimator = ESTIMATORS[name]()
     logprobs = torch.empty(4, 5, device="meta")
     estimator.estimate(logprobs)
-    selection = Selection.from_lengths(torch.empty(4, dtype=torch.int64, device="meta"), 5)
-    estimator.observe(logprobs, selection, torch.empty(4, dtype=torch.int64, device="meta"))
+    lengths = torch.empty(4, dtype=torch.int64, device="meta")
+    estimator.learn(logprobs, *observed_outcomes(lengths, lengths, 5))
     estimator.reset_rows(torch.empty(4, dtype=torch.bool, device="meta"))
 
 

@@ -6,7 +6,7 @@ from specselect.estimators.base import AcceptanceEstimator, DraftProbability
 from specselect.estimators.calibrated import CalibratedDraft
 from specselect.estimators.guard import RankingGuard
 from specselect.estimators.history import RequestHistory
-from specselect.selection import observed_outcomes, tree_outcomes
+from specselect.estimators.outcomes import observed_outcomes, tree_outcomes
 
 ESTIMATORS: dict[str, type[AcceptanceEstimator]] = {
     DraftProbability.name: DraftProbability,

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from specselect.constants import cached_constant
 from specselect.estimators.base import (
     AcceptanceEstimator,
     check_rows,
@@ -15,7 +16,6 @@ from specselect.estimators.base import (
     logit,
 )
 from specselect.estimators.calibrated import CalibratedDraft, _check_unit
-from specselect.selection import cached_constant
 
 
 class _Features(NamedTuple):

@@ -5,13 +5,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from specselect._checks import check_int
-from specselect.selection import (
-    Selection,
-    Selector,
-    available_lengths,
-    cheapest_per_row,
-    mask_inactive,
-)
+from specselect.selection import Selection, Selector, available_lengths, mask_inactive
+from specselect.topc import cheapest_per_row
 from specselect.tree import path_sums
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int
+from specselect.constants import cached_constant
 from specselect.estimators import (
     AcceptanceEstimator,
     RankingGuard,
@@ -17,11 +18,10 @@ from specselect.selection import (
     NEG_INF,
     Selection,
     Selector,
-    cached_constant,
     chain_scores,
-    cheapest_selection,
 )
 from specselect.selectors.fixed import FixedWindowSelector
+from specselect.topc import cheapest_counts, cheapest_mask
 from specselect.tree import path_sums
 
 
@@ -87,7 +87,7 @@ class TetrisSelector(Selector):
 
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
         # Work with costs (|cumulative log q|, >= +0): abs also turns a -0.0 into +0.0, which is
-        # what lets ``cheapest_selection`` skip its sign handling.
+        # what lets ``cheapest_counts`` skip its sign handling.
         best = self._best(chain_scores(draft_logprobs).abs_(), active)
         return self._guarded(best, lambda: self._fallback._select(draft_logprobs, active))
 
@@ -121,7 +121,8 @@ class TetrisSelector(Selector):
         if active is not None:
             pad = min(self.k, width) if self.budget is None else 0
             costs = _absorb_inactive(costs, active, pad)
-        return cheapest_selection(costs, budget, nonnegative=True, keep=active)
+        mask, counts = cheapest_counts(costs, budget, nonnegative=True, keep=active)
+        return Selection(lengths=counts, mask=mask)
 
     def _update(self, selection: Selection, num_accepted: Tensor) -> None:
         if self.guard is not None and self.last_scores is not None:
@@ -137,7 +138,7 @@ def _trim(mask: Tensor, budget: int) -> Tensor:
     key = ("columns_f32", mask.shape[1], mask.device)
     columns = cached_constant(key, _float_columns)  # [1, N]
     costs = torch.where(mask, columns, float("inf"))
-    return cheapest_selection(costs, budget, nonnegative=True).mask
+    return cheapest_mask(costs, budget, nonnegative=True)
 
 
 def _float_columns(width: int, device: torch.device) -> Tensor:
