@@ -18,14 +18,20 @@ import torch
 from torch import Tensor
 
 from specselect._checks import (
+    _values_checkable,
     check_active,
+    check_at_most,
     check_counts,
     check_logprobs,
     check_row_ints,
     check_tensor,
 )
 from specselect.constants import cached_constant
-from specselect.estimators import AcceptanceEstimator, observed_outcomes, tree_outcomes
+from specselect.estimators import (
+    AcceptanceEstimator,
+    observed_outcomes,
+    tree_outcomes,
+)
 from specselect.topc import top_c_mask as top_c_mask  # public here too
 from specselect.tree import check_parents, path_sums
 
@@ -61,6 +67,14 @@ class Selection:
         """Build the prefix selection of ``lengths`` (``[B]``) over ``width`` draft positions."""
         lengths = lengths.to(torch.int64)
         return cls(lengths=lengths, mask=prefix_mask(lengths, width))
+
+    @classmethod
+    def from_mask(cls, mask: Tensor, active: Tensor | None = None) -> Selection:
+        """Select the nodes of ``mask`` (``[B, N]`` bool, closed under ancestors), none in the
+        rows outside ``active`` (``[B]`` bool); ``lengths`` counts each row's nodes."""
+        if active is not None:
+            mask = mask & active.unsqueeze(1)
+        return cls(lengths=mask.sum(dim=1), mask=mask)
 
     @property
     def num_verified(self) -> Tensor:
@@ -106,15 +120,19 @@ class Selector(abc.ABC):
     2. :meth:`select` — which of the drafted tokens (or draft-tree nodes) the target verifies;
     3. :meth:`update` — feedback after verification (accepted counts), for adaptive selectors.
 
-    Subclasses implement :meth:`_select` (chains) and, if ``supports_trees``,
-    :meth:`_select_tree`; the base class checks the arguments, applies the optional acceptance
-    ``estimator`` to the draft log-probabilities, feeds it the outcomes, and resets per-request
-    state when a batch slot starts serving a new request.
+    Subclasses call ``super().__init__()``, implement :meth:`_select` (chains) and, if
+    ``supports_trees``, :meth:`_select_tree`; the base class checks the arguments, applies the
+    optional acceptance ``estimator`` to the draft log-probabilities, feeds it the outcomes, and
+    resets per-request state when a batch slot starts serving a new request.
     """
 
     name: ClassVar[str] = "selector"
     supports_trees: ClassVar[bool] = False
-    estimator: AcceptanceEstimator | None = None
+    estimator: AcceptanceEstimator | None = None  # set by selectors that take one
+
+    def __init__(self) -> None:
+        self._last: _LastSelect | None = None  # what the last select saw, for update
+        self._request_ids: Tensor | None = None  # [B] request in each slot at the last select
 
     @abc.abstractmethod
     def draft_length(self, num_active: int) -> int:
@@ -150,32 +168,34 @@ class Selector(abc.ABC):
             self._follow_requests(
                 check_row_ints("request_ids", request_ids, rows, draft_logprobs.device)
             )
+        positions = None
         if parents is not None:
             if not self.supports_trees:
                 raise TypeError(
-                    f"{type(self).__name__} does not select draft-tree nodes (parents=...); "
-                    "use a selector with supports_trees, e.g. 'tetris' or 'fixed'"
+                    f"{type(self).__name__} does not select draft-tree nodes (parents=...): "
+                    "its supports_trees is False (every selector specselect ships supports trees)"
                 )
             parents = check_parents(parents, rows=rows, width=width)
             positions = path_sums(torch.ones_like(draft_logprobs), parents).to(torch.int64) - 1
         scores = draft_logprobs
         if self.estimator is not None:
-            scores = self.estimator.estimate(draft_logprobs, None if parents is None else positions)
-        self._last = _LastSelect(
-            draft_logprobs, scores, parents, None if parents is None else positions
-        )
-        if parents is None:
-            return self._select(scores, active)
-        return self._select_tree(scores, active, parents)
+            scores = self.estimator.estimate(draft_logprobs, positions)
+        if parents is None or positions is None:
+            selection = self._select(scores, active)
+        else:
+            selection = self._select_tree(scores, active, parents, positions + 1)
+        self._last = _LastSelect(draft_logprobs, scores, parents, positions)
+        return selection
 
     @abc.abstractmethod
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
         """Selection on checked arguments (``[B, K]`` log-probs, optional ``[B]`` bool)."""
 
     def _select_tree(
-        self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor
+        self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor, depth: Tensor
     ) -> Selection:
-        """Tree selection (``[B, N]`` node log-probs and parents); only if ``supports_trees``."""
+        """Tree selection from ``[B, N]`` node log-probs, parents and depths (1 for the root's
+        children); only if ``supports_trees``. The mask must be closed under ancestors."""
         raise NotImplementedError
 
     def update(
@@ -191,43 +211,79 @@ class Selector(abc.ABC):
         root-to-node path) so that estimators know which nodes passed. The acceptance
         estimator, if any, learns from the outcomes; adaptive selectors override
         :meth:`_update`.
-        """
-        check_counts(
-            "num_accepted", num_accepted, selection.lengths.shape[0], selection.lengths.device
-        )
-        if accepted_nodes is not None:
-            check_tensor("accepted_nodes", accepted_nodes, rank=2)
-            if accepted_nodes.dtype != torch.bool or accepted_nodes.shape != selection.mask.shape:
-                raise ValueError(
-                    f"accepted_nodes must be a bool tensor of shape {tuple(selection.mask.shape)}"
-                )
-        self._accepted_nodes = accepted_nodes
-        last = getattr(self, "_last", None)
-        if self.estimator is not None and last is not None:
-            tested, passed = self.outcomes(selection, num_accepted)
-            self.estimator.learn(last.logprobs, tested, passed, last.positions)
-        self._update(selection, num_accepted)
 
-    def outcomes(self, selection: Selection, num_accepted: Tensor) -> tuple[Tensor, Tensor]:
-        """``([B, K] tested, [B, K] passed)`` of the last step (see :func:`observed_outcomes`
-        and :func:`tree_outcomes`)."""
-        last = getattr(self, "_last", None)
+        Raises:
+            ValueError: ``num_accepted`` is not a ``[B]`` count tensor, exceeds
+                ``selection.lengths`` (checked where values are readable without a sync: CPU
+                tensors), or ``selection`` does not match the last :meth:`select` (a new batch
+                needs :meth:`reset`).
+        """
+        lengths = selection.lengths
+        check_counts("num_accepted", num_accepted, lengths.shape[0], lengths.device)
+        check_at_most("num_accepted", num_accepted, "selection.lengths", lengths)
+        last = self._matching_last(selection)
+        if accepted_nodes is not None:
+            _check_accepted_nodes(accepted_nodes, selection, num_accepted)
+        if self.estimator is not None and last is not None:
+            tested, passed = self.outcomes(selection, num_accepted, accepted_nodes)
+            self.estimator.learn(last.logprobs, tested, passed, last.positions)
+        self._update(selection, num_accepted, accepted_nodes)
+
+    def _matching_last(self, selection: Selection) -> _LastSelect | None:
+        """The last select's record, or a clear error if ``selection`` cannot be its answer."""
+        last = self._last
+        if last is None:
+            return None
+        seen, mask = last.logprobs, selection.mask
+        if mask.shape != seen.shape or mask.device != seen.device:
+            raise ValueError(
+                f"selection.lengths and selection.mask have shapes "
+                f"{tuple(selection.lengths.shape)} and {tuple(mask.shape)} on {mask.device}, but "
+                f"the last select() of this {type(self).__name__} saw draft_logprobs of shape "
+                f"{tuple(seen.shape)} on {seen.device}; call reset() before a new batch"
+            )
+        return last
+
+    def outcomes(
+        self, selection: Selection, num_accepted: Tensor, accepted_nodes: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """``([B, K] tested, [B, K] passed)`` of the last step (see
+        :func:`~specselect.estimators.outcomes.observed_outcomes` and
+        :func:`~specselect.estimators.outcomes.tree_outcomes`); after a tree selection it needs
+        the accepted path, ``accepted_nodes`` (``[B, N]`` bool)."""
+        last = self._last
         if last is None or last.parents is None:
             return observed_outcomes(selection.lengths, num_accepted, selection.mask.shape[1])
-        accepted = getattr(self, "_accepted_nodes", None)
-        if accepted is None:
+        if accepted_nodes is None:
             raise ValueError(
                 f"{type(self).__name__} learns from its outcomes: after a tree selection, call "
                 "update(selection, num_accepted, accepted_nodes=...) with the accepted path"
             )
-        return tree_outcomes(selection.mask, last.parents, accepted)
+        return tree_outcomes(selection.mask, last.parents, accepted_nodes)
 
-    def _update(self, selection: Selection, num_accepted: Tensor) -> None:  # noqa: B027
-        """Adaptive selectors override this; the default keeps no state."""
+    def _selected_depths(self, selection: Selection) -> Tensor:
+        """``[B]`` int64: the deepest selected position of each row, 0 when nothing is.
+
+        A chain's selected length; for a draft tree (when the last :meth:`select` had
+        ``parents``), the largest depth among the selected nodes. An accepted length equal to
+        it means the target accepted everything it could have: what adaptive selectors learn
+        from, the same way for chains and trees.
+        """
+        last = self._last
+        if last is None or last.positions is None or selection.mask.shape[1] == 0:
+            return selection.lengths
+        depth = last.positions + 1  # [B, N]
+        return torch.where(selection.mask, depth, 0).amax(dim=1)
+
+    def _update(  # noqa: B027
+        self, selection: Selection, num_accepted: Tensor, accepted_nodes: Tensor | None
+    ) -> None:
+        """Adaptive selectors override this (arguments checked); the default keeps no state."""
 
     def reset(self) -> None:
         """Forget all state learned from feedback (start of a new generation)."""
-        self._request_ids: Tensor | None = None
+        self._last = None
+        self._request_ids = None
         if self.estimator is not None:
             self.estimator.reset()
 
@@ -240,11 +296,10 @@ class Selector(abc.ABC):
     def last_scores(self) -> Tensor | None:
         """``[B, K]`` the log-scores the last :meth:`select` ranked: the estimator's estimates
         of the acceptance log-probabilities, or the draft log-probs without an estimator."""
-        last = getattr(self, "_last", None)
-        return None if last is None else last.scores
+        return None if self._last is None else self._last.scores
 
     def _follow_requests(self, request_ids: Tensor) -> None:
-        previous = getattr(self, "_request_ids", None)
+        previous = self._request_ids
         if previous is not None and previous.shape == request_ids.shape:
             self.reset_rows(request_ids != previous)
         elif previous is not None:
@@ -254,6 +309,30 @@ class Selector(abc.ABC):
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({params})"
+
+
+def _check_accepted_nodes(
+    accepted_nodes: object, selection: Selection, num_accepted: Tensor
+) -> None:
+    """``accepted_nodes`` must be a ``[B, N]`` bool path of selected nodes, ``num_accepted``
+    long per row (its values are checked where they are readable without a sync)."""
+    t = check_tensor("accepted_nodes", accepted_nodes, rank=2)
+    if t.dtype != torch.bool or t.shape != selection.mask.shape:
+        raise ValueError(
+            f"accepted_nodes must be a bool tensor of shape {tuple(selection.mask.shape)}, got "
+            f"{t.dtype} {tuple(t.shape)}"
+        )
+    if not (_values_checkable(t) and _values_checkable(selection.mask) and t.numel()):
+        return
+    if bool((t & ~selection.mask).any()):
+        raise ValueError("accepted_nodes must be selected nodes (within selection.mask)")
+    counts = t.sum(dim=1)  # [B]
+    if bool((counts != num_accepted).any()):
+        row = int((counts != num_accepted).nonzero()[0, 0])
+        raise ValueError(
+            f"accepted_nodes must hold num_accepted nodes per row (the accepted path), got "
+            f"{int(counts[row])} in row {row} where num_accepted[{row}] = {int(num_accepted[row])}"
+        )
 
 
 def mask_inactive(lengths: Tensor, active: Tensor | None) -> Tensor:

@@ -49,6 +49,7 @@ class OracleSelector(Selector):
     name = "oracle"
 
     def __init__(self, k: int, extra: int = 2, budget: int | None = None) -> None:
+        super().__init__()
         self.k = check_int("k", k)
         self.extra = check_int("extra", extra)
         self.budget = None if budget is None else check_int("budget", budget)

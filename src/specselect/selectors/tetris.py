@@ -68,6 +68,7 @@ class TetrisSelector(Selector):
         estimator: AcceptanceEstimator | str | None = "history",
         guard: RankingGuard | bool = True,
     ) -> None:
+        super().__init__()
         self.k = check_int("k", k)
         self.extra = check_int("extra", extra)
         self.budget = None if budget is None else check_int("budget", budget)
@@ -92,11 +93,11 @@ class TetrisSelector(Selector):
         return self._guarded(best, lambda: self._fallback._select(draft_logprobs, active))
 
     def _select_tree(
-        self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor
+        self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor, depth: Tensor
     ) -> Selection:
         best = self._best(path_sums(draft_logprobs, parents).abs_(), active)
         return self._guarded(
-            best, lambda: self._fallback._select_tree(draft_logprobs, active, parents)
+            best, lambda: self._fallback._select_tree(draft_logprobs, active, parents, depth)
         )
 
     def _guarded(self, best: Selection, fallback: Callable[[], Selection]) -> Selection:
@@ -111,8 +112,9 @@ class TetrisSelector(Selector):
         standard = fallback().mask
         if self.budget is not None:
             standard = _trim(standard, self.budget)
-        mask = torch.where(self.guard.trusted(best.mask.device), best.mask, standard)
-        return Selection(lengths=mask.sum(dim=1), mask=mask)
+        return Selection.from_mask(
+            torch.where(self.guard.trusted(best.mask.device), best.mask, standard)
+        )
 
     def _best(self, costs: Tensor, active: Tensor | None) -> Selection:
         """The ``C`` cheapest entries of ``costs`` (``[B, K]``, >= +0), as a selection."""
@@ -124,9 +126,12 @@ class TetrisSelector(Selector):
         mask, counts = cheapest_counts(costs, budget, nonnegative=True, keep=active)
         return Selection(lengths=counts, mask=mask)
 
-    def _update(self, selection: Selection, num_accepted: Tensor) -> None:
+    def _update(
+        self, selection: Selection, num_accepted: Tensor, accepted_nodes: Tensor | None
+    ) -> None:
         if self.guard is not None and self.last_scores is not None:
-            self.guard.observe(self.last_scores, *self.outcomes(selection, num_accepted))
+            outcomes = self.outcomes(selection, num_accepted, accepted_nodes)
+            self.guard.observe(self.last_scores, *outcomes)
 
 
 def _trim(mask: Tensor, budget: int) -> Tensor:
