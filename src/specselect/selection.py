@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -27,7 +27,9 @@ from specselect._checks import (
     check_tensor,
 )
 from specselect.constants import cached_constant
+from specselect.cost import CostModel
 from specselect.estimators import (
+    NO_ESTIMATOR,
     AcceptanceEstimator,
     observed_outcomes,
     tree_outcomes,
@@ -124,10 +126,16 @@ class Selector(abc.ABC):
     ``supports_trees``, :meth:`_select_tree`; the base class checks the arguments, applies the
     optional acceptance ``estimator`` to the draft log-probabilities, feeds it the outcomes, and
     resets per-request state when a batch slot starts serving a new request.
+
+    Comparison grids (:func:`specselect.replay.selector_grid`) build selectors through the
+    class-level hooks :meth:`grid_kwargs`, ``grid_extra`` and :meth:`spec_kwargs`.
     """
 
     name: ClassVar[str] = "selector"
     supports_trees: ClassVar[bool] = False
+    grid_extra: ClassVar[bool] = False
+    """Whether :meth:`grid_kwargs` depends on ``extra``: a grid then holds one configuration per
+    ``extra`` and labels it with it; otherwise one configuration stands for every ``extra``."""
     estimator: AcceptanceEstimator | None = None  # set by selectors that take one
 
     def __init__(self) -> None:
@@ -306,6 +314,34 @@ class Selector(abc.ABC):
             self.reset()
         self._request_ids = request_ids.clone()
 
+    @classmethod
+    def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any] | None:
+        """Constructor arguments at one point of a comparison grid, or ``None`` for none there.
+
+        ``k`` is the mean window the point compares at (standard SD verifies ``k`` tokens per
+        request), ``extra`` the tokens a selector may draft beyond it, and ``budget`` a fixed
+        total per step (``None``: the selector's default). The default, ``{"k": k}`` and no
+        configuration at a fixed budget, fits a selector whose only parameter is its window;
+        selectors with other parameters override it.
+        """
+        return {"k": k} if budget is None else None
+
+    @classmethod
+    def spec_kwargs(cls, estimator: str | None, cost_model: CostModel | None) -> dict[str, Any]:
+        """Constructor arguments a comparison adds to those of :meth:`grid_kwargs`.
+
+        ``estimator`` is a selector spec's part after ``+`` (``"calibrated"`` in
+        ``"tetris+calibrated"``; :data:`~specselect.estimators.NO_ESTIMATOR` for none), or
+        ``None`` when the spec has none; ``cost_model`` is the comparison's timing model, for
+        selectors that plan with one. The default takes neither.
+
+        Raises:
+            ValueError: an estimator for a selector that takes none.
+        """
+        if estimator is not None:
+            raise ValueError(f"{cls.name!r} takes no estimator")
+        return {}
+
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({params})"
@@ -333,6 +369,21 @@ def _check_accepted_nodes(
             f"accepted_nodes must hold num_accepted nodes per row (the accepted path), got "
             f"{int(counts[row])} in row {row} where num_accepted[{row}] = {int(num_accepted[row])}"
         )
+
+
+def estimator_kwargs(estimator: str | None) -> dict[str, Any]:
+    """The ``estimator`` argument for a selector spec's estimator part (``None`` for
+    :data:`~specselect.estimators.NO_ESTIMATOR`), or none when the spec names no estimator."""
+    if estimator is None:
+        return {}
+    return {"estimator": None if estimator == NO_ESTIMATOR else estimator}
+
+
+def window_grid_kwargs(k: int, extra: int, budget: int | None) -> dict[str, Any]:
+    """``{"k": k, "extra": extra}``, with ``"budget"`` when one is given: the grid mapping of
+    selectors that draft ``k + extra`` tokens and verify ``k`` per request or a fixed budget
+    (TETRIS, the oracle)."""
+    return {"k": k, "extra": extra, **({} if budget is None else {"budget": budget})}
 
 
 def mask_inactive(lengths: Tensor, active: Tensor | None) -> Tensor:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -125,6 +126,7 @@ class DSDSelector(Selector):
 
     name = "dsd"
     supports_trees = True
+    grid_extra = True
 
     def __init__(
         self,
@@ -219,6 +221,17 @@ class DSDSelector(Selector):
             alpha = torch.full((), self.alpha0, dtype=torch.float64, device=device)
         verified = self._selected_depths(selection).sum()  # tokens, for chains
         self._alpha = ema_step(alpha.to(device), verified, num_accepted.sum())
+
+    @classmethod
+    def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any] | None:
+        """Windows up to ``k + extra``: DSD may draft as far as TETRIS does."""
+        return {"max_k": k + extra} if budget is None else None
+
+    @classmethod
+    def spec_kwargs(cls, estimator: str | None, cost_model: CostModel | None) -> dict[str, Any]:
+        """The comparison's cost model, which DSD plans its windows with."""
+        kwargs = super().spec_kwargs(estimator, cost_model)
+        return kwargs if cost_model is None else {**kwargs, "cost_model": cost_model}
 
 
 def _check_context(value: object) -> float:

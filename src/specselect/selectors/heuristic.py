@@ -21,6 +21,8 @@ every selected token was accepted.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -79,6 +81,7 @@ class HeuristicSelector(Selector):
 
     name = "heuristic"
     supports_trees = True
+    grid_extra = True
 
     def __init__(self, k0: int = 4, max_k: int | None = None) -> None:
         super().__init__()
@@ -153,6 +156,11 @@ class HeuristicSelector(Selector):
         windows = self._state(lengths.shape[0], lengths.device, "selection.lengths")
         depths = self._selected_depths(selection)  # [B]
         self._windows = next_windows(windows, depths, num_accepted, self.max_k)
+
+    @classmethod
+    def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any] | None:
+        """Windows start at ``k`` and grow up to ``k + extra``, as far as TETRIS drafts."""
+        return {"k0": k, "max_k": k + extra} if budget is None else None
 
     def _state(self, batch: int, device: torch.device, argument: str) -> Tensor:
         """The ``[batch]`` windows, created at ``k0`` on first use; a mismatch is an error."""

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from specselect._checks import check_int
 from specselect.constants import cached_constant
+from specselect.cost import CostModel
 from specselect.estimators import (
+    NO_ESTIMATOR,
     AcceptanceEstimator,
     RankingGuard,
     make_estimator,
@@ -19,6 +22,8 @@ from specselect.selection import (
     Selection,
     Selector,
     chain_scores,
+    estimator_kwargs,
+    window_grid_kwargs,
 )
 from specselect.selectors.fixed import FixedWindowSelector
 from specselect.topc import cheapest_counts, cheapest_mask
@@ -59,6 +64,7 @@ class TetrisSelector(Selector):
 
     name = "tetris"
     supports_trees = True
+    grid_extra = True
 
     def __init__(
         self,
@@ -132,6 +138,17 @@ class TetrisSelector(Selector):
         if self.guard is not None and self.last_scores is not None:
             outcomes = self.outcomes(selection, num_accepted, accepted_nodes)
             self.guard.observe(self.last_scores, *outcomes)
+
+    @classmethod
+    def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any]:
+        return window_grid_kwargs(k, extra, budget)
+
+    @classmethod
+    def spec_kwargs(cls, estimator: str | None, cost_model: CostModel | None) -> dict[str, Any]:
+        """The spec's estimator; ``"tetris+none"`` is the paper's TETRIS: no estimator and no
+        ranking guard."""
+        guard = {"guard": False} if estimator == NO_ESTIMATOR else {}
+        return {**estimator_kwargs(estimator), **guard}
 
 
 def _trim(mask: Tensor, budget: int) -> Tensor:

@@ -10,21 +10,28 @@ node on its path, itself included, is confident.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from specselect._checks import check_int, check_probability
+from specselect.cost import CostModel
 from specselect.estimators import AcceptanceEstimator, make_estimator
 from specselect.selection import (
     NEG_INF,
     Selection,
     Selector,
     available_lengths,
+    estimator_kwargs,
     mask_inactive,
 )
 from specselect.tree import path_minima
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DEFAULT_THRESHOLD = 0.4
+"""The threshold a comparison grid gives :class:`ThresholdSelector` (HF's default
+``assistant_confidence_threshold``)."""
 
 
 def confident_prefix(
@@ -74,6 +81,7 @@ class ThresholdSelector(Selector):
 
     name = "threshold"
     supports_trees = True
+    grid_extra = True
 
     def __init__(
         self,
@@ -113,3 +121,14 @@ class ThresholdSelector(Selector):
         log_threshold = self._log_threshold(draft_logprobs.dtype)
         mask = (weakest > NEG_INF) & (weakest >= log_threshold) & (depth <= self.max_k)
         return Selection.from_mask(mask, active)
+
+    @classmethod
+    def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any] | None:
+        """Up to ``k + extra`` tokens, as far as TETRIS drafts, at :data:`DEFAULT_THRESHOLD`."""
+        if budget is not None:
+            return None
+        return {"max_k": k + extra, "threshold": DEFAULT_THRESHOLD}
+
+    @classmethod
+    def spec_kwargs(cls, estimator: str | None, cost_model: CostModel | None) -> dict[str, Any]:
+        return estimator_kwargs(estimator)
