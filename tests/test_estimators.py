@@ -42,10 +42,10 @@ def run_stream(
         estimates = estimator.estimate(logprobs)
         accept = torch.rand(ROWS, WIDTH, generator=gen) < acceptance(logprobs.exp(), rows)
         num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
-        selection = Selection.from_lengths(torch.full((ROWS,), WIDTH), WIDTH)
-        estimator.observe(logprobs, selection, num_accepted)
+        outcomes = observed_outcomes(torch.full((ROWS,), WIDTH), num_accepted, WIDTH)
+        estimator.learn(logprobs, *outcomes)
         if guard is not None:
-            guard.observe(estimates, *observed_outcomes(selection.lengths, num_accepted, WIDTH))
+            guard.observe(estimates, *outcomes)
     return gen
 
 
@@ -152,8 +152,8 @@ def test_estimators_run_on_meta_tensors(name: str) -> None:
     estimator = ESTIMATORS[name]()
     logprobs = torch.empty(4, 5, device="meta")
     estimator.estimate(logprobs)
-    selection = Selection.from_lengths(torch.empty(4, dtype=torch.int64, device="meta"), 5)
-    estimator.observe(logprobs, selection, torch.empty(4, dtype=torch.int64, device="meta"))
+    lengths = torch.empty(4, dtype=torch.int64, device="meta")
+    estimator.learn(logprobs, *observed_outcomes(lengths, lengths, 5))
     estimator.reset_rows(torch.empty(4, dtype=torch.bool, device="meta"))
 
 
@@ -206,7 +206,8 @@ def test_tetris_uses_the_estimator_once_the_guard_trusts_it() -> None:
         logprobs = torch.rand(ROWS, 4, generator=gen).clamp(min=1e-3).log()
         selection = selector.select(logprobs)
         accept = torch.rand(ROWS, 4, generator=gen) < under_confident(logprobs.exp(), None)
-        selector.update(selection, accept.to(torch.int64).cumprod(1).sum(1))
+        run = accept.to(torch.int64).cumprod(1).sum(1)  # accepted if all 4 were verified
+        selector.update(selection, torch.minimum(run, selection.lengths))
     assert bool(selector.guard.trusted())
     confident = torch.log(torch.tensor([[0.95] * 4, [0.05] * 4]))
     assert selector.select(confident).lengths.tolist() == [4, 0]
@@ -269,6 +270,21 @@ def test_tree_update_needs_the_accepted_path() -> None:
     selector.update(
         selection, torch.tensor([1]), accepted_nodes=torch.tensor([[True, False, False]])
     )
+
+
+def test_outcomes_take_the_accepted_path_as_an_argument() -> None:
+    """The accepted path reaches ``outcomes`` as an argument: nothing from one update lingers
+    on the selector for a later call."""
+    selector = TetrisSelector(k=1, extra=1)
+    parents = torch.tensor([[-1, -1, 0]])
+    selection = selector.select(torch.full((1, 3), -0.5), parents=parents)
+    path = torch.tensor([[True, False, False]])
+    selector.update(selection, torch.tensor([1]), accepted_nodes=path)
+    got = selector.outcomes(selection, torch.tensor([1]), path)
+    expected = tree_outcomes(selection.mask, parents, path)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    with pytest.raises(ValueError, match="accepted_nodes"):
+        selector.outcomes(selection, torch.tensor([1]))
 
 
 def _logit(p: torch.Tensor) -> torch.Tensor:

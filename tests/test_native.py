@@ -1,7 +1,7 @@
 """The fused CPU kernel (:mod:`specselect.native`): same masks as the PyTorch kernel, and a
 loader that falls back to PyTorch, never to a wrong answer.
 
-The PyTorch kernel (:func:`~specselect.selection.cheapest_mask_torch`) is itself checked against
+The PyTorch kernel (:func:`~specselect.topc.cheapest_mask_torch`) is itself checked against
 independent oracles in ``test_tetris.py``; here it is the oracle for the fused one, on the
 inputs where the two could disagree: ties (equal costs, ``-0.0`` against ``+0.0``), ``±inf``,
 negative costs, budgets beyond what is available, rows cleared by ``keep``, and sizes large
@@ -22,10 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
 
 from conftest import paper_tetris, random_logprobs
 from specselect import native, top_c_mask
-from specselect.selection import cheapest_mask_torch, cheapest_selection
+from specselect.topc import cheapest_counts, cheapest_mask_torch, cheapest_per_row
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # NaN (either sign: -NaN's sign bit would rank it first in a naive code) is never selected.
@@ -151,9 +152,9 @@ def test_loader_falls_back_when_the_compiler_fails(
     assert "using the PyTorch kernel" in native.status()
     assert "using the PyTorch kernel" in caplog.text
     costs = torch.tensor([[0.1, 0.5], [0.2, 0.3]])
-    selection = cheapest_selection(costs, 3)  # still right, from the PyTorch kernel
-    assert selection.mask.tolist() == [[True, False], [True, True]]
-    assert selection.lengths.tolist() == [1, 2]
+    mask, counts = cheapest_counts(costs, 3)  # still right, from the PyTorch kernel
+    assert mask.tolist() == [[True, False], [True, True]]
+    assert counts.tolist() == [1, 2]
     with pytest.raises(RuntimeError, match="not available"):
         native.cheapest_mask(costs, 3)
 
@@ -201,6 +202,36 @@ def test_tracing_and_fake_tensors_never_reach_the_fused_kernel(fused: None) -> N
         assert torch.equal(traced(scores), top_c_mask(scores, 3))
     mapped = torch.vmap(lambda s: top_c_mask(s, 3))(batch)
     assert torch.equal(mapped, torch.stack([top_c_mask(s, 3) for s in batch]))
+
+
+class BitCasts(TorchFunctionMode):
+    """Counts ``Tensor.view(dtype)`` calls: bit casts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.Tensor.view and any(
+            isinstance(a, torch.dtype) for a in (*args[1:], *kwargs.values())
+        ):
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def test_vmap_needs_no_bit_cast() -> None:
+    """torch 2.11 has no batching rule for ``Tensor.view(dtype)`` ("Batching rule not
+    implemented for aten::view.dtype"): under ``torch.vmap`` the kernels rank without one.
+    ``test_ranking_codes_agree_with_float64_kernel`` checks that the masks stay the same."""
+    batch = torch.randn(2, 4, 5)
+    with native.disabled(), BitCasts() as eager:  # the PyTorch kernel does bit-cast
+        top_c_mask(batch[0], 3)
+    assert eager.count > 0, "the counter misses bit casts"
+    with BitCasts() as mapped:
+        torch.vmap(lambda s: top_c_mask(s, 3))(batch)
+        torch.vmap(lambda s: cheapest_per_row(s, 2))(batch)
+    assert mapped.count == 0
 
 
 def test_loader_is_thread_safe(fused: None, fresh_loader: None) -> None:

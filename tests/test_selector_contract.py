@@ -11,6 +11,7 @@ device (which has no data to read back); and, when CUDA is present, CUDA's sync 
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 from conftest import random_logprobs
 from specselect.selection import Selection, Selector
 from specselect.selectors import SELECTORS
+from specselect.tree import available_nodes, chain_parents
 
 # Small, valid constructor arguments for every registered selector.
 SELECTOR_KWARGS: dict[str, dict[str, object]] = {
@@ -145,6 +147,142 @@ def test_bad_feedback_raises(name: str, accepted: torch.Tensor, error: type[Exce
         selector.update(selection, accepted)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_update_rejects_more_accepted_than_selected(name: str) -> None:
+    """An over-count is an error where values are readable (CPU), not "all accepted" or an
+    acceptance estimate above 1; the state is left as it was."""
+    selector = make(name)
+    selection = selector.select(drafted(selector, seed=0))
+    too_many = selection.lengths.clone()
+    too_many[2] += 1
+    with pytest.raises(ValueError, match=r"num_accepted must be <= selection.lengths.*\[2\]"):
+        selector.update(selection, too_many)
+    selector.update(selection, selection.lengths)  # everything accepted is fine
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_update_for_another_batch_asks_for_reset(name: str) -> None:
+    selector = make(name)
+    selector.select(drafted(selector, seed=0))
+    other = Selection.from_lengths(torch.ones(BATCH + 1, dtype=torch.int64), 3)
+    with pytest.raises(ValueError, match=r"selection.*shape.*call reset\(\)"):
+        selector.update(other, torch.zeros(BATCH + 1, dtype=torch.int64))
+    selector.reset()
+    logprobs = random_logprobs(BATCH + 1, max(selector.draft_length(BATCH + 1), 3), seed=1)
+    selection = selector.select(logprobs)
+    selector.update(selection, selection.lengths)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_empty_batch(name: str, tree: bool) -> None:
+    """No request at all: an empty selection, and feedback on it, like any other batch."""
+    selector = make(name)
+    parents = torch.zeros(0, 5, dtype=torch.int64) if tree else None
+    for _ in range(2):
+        selection = selector.select(torch.zeros(0, 5), parents=parents)
+        assert selection.lengths.shape == (0,) and selection.mask.shape == (0, 5)
+        accepted_nodes = torch.zeros(0, 5, dtype=torch.bool) if tree else None
+        selector.update(selection, torch.zeros(0, dtype=torch.int64), accepted_nodes=accepted_nodes)
+
+
+# --------------------------------------------------------------------------------------------
+# Draft trees
+
+
+def random_tree(seed: int, rows: int = BATCH, nodes: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, N] parents, [B, N] float32 node log-probs)``: random forests, some ``-inf`` nodes,
+    row 3 all ``-inf``."""
+    gen = torch.Generator().manual_seed(seed)
+    parents = torch.stack(
+        [torch.randint(-1, max(j, 0), (rows,), generator=gen) for j in range(nodes)], dim=1
+    )
+    logprobs = random_logprobs(rows, nodes, seed=seed, cut=0.15)
+    logprobs[3] = -math.inf
+    return parents, logprobs
+
+
+def accepted_path(selection: Selection, parents: torch.Tensor, seed: int) -> torch.Tensor:
+    """``[B, N]`` bool: a random accepted root-to-node path through selected nodes, by walking
+    down from the root and stopping at random (a stand-in for tree verification)."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = selection.mask.cpu()
+    path = torch.zeros_like(mask)
+    for i in range(mask.shape[0]):
+        current = -1
+        while torch.rand((), generator=gen) < 0.7:
+            children = [j for j in range(mask.shape[1]) if parents[i, j] == current and mask[i, j]]
+            if not children:
+                break
+            current = children[int(torch.randint(len(children), (), generator=gen))]
+            path[i, current] = True
+    return path.to(selection.mask.device)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("with_active", [False, True])
+def test_tree_contract(name: str, with_active: bool) -> None:
+    """Every registered selector selects draft-tree nodes: closed under ancestors, exact counts,
+    nothing below a ``-inf`` node, nothing in inactive rows; and it learns from the accepted
+    paths over a few steps."""
+    selector = make(name)
+    assert selector.supports_trees
+    active = ACTIVE if with_active else None
+    for step in range(4):
+        parents, logprobs = random_tree(seed=step)
+        selection = selector.select(logprobs, active, parents=parents)
+        assert selection.mask.shape == logprobs.shape and selection.mask.dtype == torch.bool
+        assert selection.lengths.dtype == torch.int64
+        assert torch.equal(selection.lengths, selection.mask.sum(dim=1))
+        has_parent = parents >= 0
+        parent_taken = selection.mask.gather(1, parents.clamp(min=0))
+        assert bool((~selection.mask | ~has_parent | parent_taken).all()), "an orphan node"
+        assert not (selection.mask & ~available_nodes(logprobs, parents)).any()
+        if active is not None:
+            assert not bool(selection.mask[~active].any()), "selected an inactive row"
+        path = accepted_path(selection, parents, seed=step)
+        selector.update(selection, path.sum(dim=1), accepted_nodes=path)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_chain_shaped_trees_select_and_learn_as_chains(name: str) -> None:
+    """A chain is the tree ``parents[j] = j - 1``: over several steps with feedback, a selector
+    fed chain-shaped trees makes the same selections as one fed the chains, so it also learns
+    the same from the same outcomes."""
+    flat, tree = make(name), make(name)
+    for step in range(6):
+        window = flat.draft_length(BATCH)
+        assert tree.draft_length(BATCH) == window
+        logprobs = random_logprobs(BATCH, max(window, 1), seed=step, cut=0.1)
+        parents = chain_parents(BATCH, logprobs.shape[1])
+        a = flat.select(logprobs, ACTIVE if step % 2 else None)
+        b = tree.select(logprobs, ACTIVE if step % 2 else None, parents=parents)
+        assert torch.equal(a.mask, b.mask), f"step {step}"
+        assert torch.equal(a.lengths, b.lengths)
+        accepted = accepted_for(a, step)
+        flat.update(a, accepted)
+        path = torch.arange(logprobs.shape[1]) < accepted.unsqueeze(1)  # [B, K]
+        tree.update(b, accepted, accepted_nodes=path)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tree_update_checks_the_accepted_path(name: str) -> None:
+    selector = make(name)
+    parents = torch.tensor([[-1, -1, 0]] * BATCH)
+    logprobs = torch.tensor([[-0.1, -0.1, -math.inf]] * BATCH)  # node 2: never selected
+    selection = selector.select(logprobs, parents=parents)
+    assert selection.mask[:, 0].all()
+    outside = torch.tensor([False, False, True]).expand(BATCH, 3)
+    with pytest.raises(ValueError, match="accepted_nodes must be selected nodes"):
+        selector.update(selection, outside.sum(dim=1), accepted_nodes=outside)
+    first = torch.tensor([True, False, False]).expand(BATCH, 3)
+    with pytest.raises(ValueError, match="accepted_nodes must hold num_accepted nodes"):
+        selector.update(selection, first.sum(dim=1) + 1, accepted_nodes=first)
+    with pytest.raises(ValueError, match="accepted_nodes must be a bool tensor"):
+        selector.update(selection, first.sum(dim=1), accepted_nodes=first.float())
+    selector.update(selection, first.sum(dim=1), accepted_nodes=first)
+
+
 def _bad_constructor_cases() -> list[tuple[str, str, object]]:
     """(selector, parameter, bad value) for every checked parameter a selector takes."""
     cases = []
@@ -196,14 +334,17 @@ def test_runs_on_meta_tensors(name: str) -> None:
     selector = make(name)
     logprobs = drafted(selector, seed=2, device="meta")
     rows, width = logprobs.shape
-    for active in (None, ACTIVE.to("meta")):
-        selection = selector.select(logprobs, active)
+    parents = random_tree(seed=2, nodes=width)[0].to("meta")
+    for active, tree in itertools.product((None, ACTIVE.to("meta")), (None, parents)):
+        selection = selector.select(logprobs, active, parents=tree)
         assert selection.lengths.device.type == "meta"
         assert selection.lengths.shape == (rows,)
         assert selection.lengths.dtype == torch.int64
         assert selection.mask.shape == (rows, width)
         assert selection.mask.dtype == torch.bool
-        selector.update(selection, torch.zeros(rows, dtype=torch.int64, device="meta"))
+        accepted = torch.zeros(rows, dtype=torch.int64, device="meta")
+        nodes = None if tree is None else torch.zeros_like(selection.mask)
+        selector.update(selection, accepted, accepted_nodes=nodes)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA sync check: needs a CUDA device")
@@ -213,13 +354,16 @@ def test_no_sync_on_cuda(name: str) -> None:
     selector = make(name)
     logprobs = drafted(selector, seed=3, device="cuda")
     active = ACTIVE.cuda()
-    selector.select(logprobs, active)  # warm-up: lazy CUDA init and cached constants
+    parents = random_tree(seed=3, nodes=logprobs.shape[1])[0].cuda()
+    for tree in (None, parents):  # warm-up: lazy CUDA init and cached constants
+        selector.select(logprobs, active, parents=tree)
     accepted = torch.zeros(BATCH, dtype=torch.int64, device="cuda")
+    no_path = torch.zeros(logprobs.shape, dtype=torch.bool, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for act in (None, active):
-            selection = selector.select(logprobs, act)
-            selector.update(selection, accepted)
+        for act, tree in itertools.product((None, active), (None, parents)):
+            selection = selector.select(logprobs, act, parents=tree)
+            selector.update(selection, accepted, accepted_nodes=None if tree is None else no_path)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from conftest import active_masks, logprob_matrices, logprob_values, paper_tetris, random_logprobs
 from specselect import FixedWindowSelector, native, top_c_mask
-from specselect.selection import cheapest_mask
+from specselect.topc import cheapest_mask, cheapest_mask_torch, cheapest_per_row
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LOW_PRECISION = [torch.float16, torch.bfloat16]
@@ -156,18 +156,29 @@ def test_top_c_mask_any_scores(data: st.DataObject, dtype: torch.dtype) -> None:
 @given(data=st.data())
 @pytest.mark.parametrize("nonnegative", [True, False])
 def test_ranking_codes_agree_with_float64_kernel(data: st.DataObject, nonnegative: bool) -> None:
-    """The float32 ranking-code kernel and the float64 tie-pass kernel give the same mask."""
+    """The float32 ranking-code kernel, the float64 tie-pass kernel and the sort-based codes
+    that serve functorch transforms (``torch.vmap``, where ``view(dtype)`` has no batching rule
+    on torch 2.11) give the same masks, per batch and per row."""
     rows = data.draw(st.integers(1, 5), label="rows")
     cols = data.draw(st.integers(1, 6), label="cols")
-    pool = [0.0, 0.5, 1.0, 3.0, math.inf, -math.inf] + ([] if nonnegative else [-0.5, -3.0])
+    pool = [0.0, 0.5, 1.0, 3.0, math.inf, -math.inf]
+    pool += [] if nonnegative else [-0.0, -0.5, -3.0]
     low = 0.0 if nonnegative else -50.0
     value = st.one_of(st.sampled_from(pool), st.floats(low, 50.0, allow_nan=False, width=32))
     values = data.draw(st.lists(value, min_size=rows * cols, max_size=rows * cols))
     costs = torch.tensor(values, dtype=torch.float32).reshape(rows, cols)
     budget = data.draw(st.integers(0, rows * cols), label="budget")
-    fast = cheapest_mask(costs, budget, nonnegative=nonnegative)
+    fast = cheapest_mask_torch(costs, budget, nonnegative=nonnegative)
     exact = cheapest_mask(costs.to(torch.float64), budget)
     assert torch.equal(fast, exact)
+    assert torch.equal(cheapest_mask(costs, budget, nonnegative=nonnegative), exact)  # fused
+    mapped = torch.vmap(lambda c: cheapest_mask_torch(c, budget, nonnegative=nonnegative))
+    assert torch.equal(mapped(costs.unsqueeze(0))[0], fast)
+    count = data.draw(st.integers(0, cols), label="count")
+    per_row = cheapest_per_row(costs, count)
+    assert torch.equal(
+        torch.vmap(lambda c: cheapest_per_row(c, count))(costs.unsqueeze(0))[0], per_row
+    )
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,4 +1,7 @@
-"""Selecting draft-tree nodes: global best C (TETRIS) and per-request best n (fixed)."""
+"""Selecting draft-tree nodes: global best C (TETRIS), per-request best n (fixed), and the window
+selectors, whose window is a depth (DSD: one for the batch, heuristic: per request, threshold:
+confident paths up to ``max_k``). The contract every registered selector keeps on trees is in
+``test_selector_contract.py``."""
 
 from __future__ import annotations
 
@@ -10,8 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import paper_tetris
-from specselect import FixedWindowSelector, make_selector
+from conftest import active_masks, paper_tetris
+from specselect import (
+    DSDSelector,
+    FixedWindowSelector,
+    HeuristicSelector,
+    ThresholdSelector,
+)
 from specselect.tree import build_tree_buffers, chain_parents, path_sums
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -72,7 +80,7 @@ def test_tetris_tree_selection_is_optimal_closed_and_exact(tree, budget: int) ->
 def test_tree_selections_are_closed_with_exact_counts(tree, k: int, data) -> None:
     parents, logprobs = tree
     rows = parents.shape[0]
-    active = torch.tensor(data.draw(st.lists(st.booleans(), min_size=rows, max_size=rows)))
+    active = data.draw(active_masks(rows))
     scores = path_sums(logprobs, parents)
     available = (scores > -math.inf) & active.unsqueeze(1)
     tetris = paper_tetris(k=k).select(logprobs, active, parents=parents)
@@ -119,12 +127,99 @@ def test_path_sums_agree_with_the_ancestor_matrix() -> None:
     assert torch.allclose(path_sums(values, parents), via_matrix)
 
 
-@pytest.mark.parametrize("name", ["dsd", "threshold", "heuristic"])
-def test_chain_only_selectors_refuse_trees(name: str) -> None:
-    kwargs = {"dsd": {}, "threshold": {"max_k": 3, "threshold": 0.5}, "heuristic": {}}[name]
-    selector = make_selector(name, **kwargs)
+class ChainOnly(FixedWindowSelector):
+    supports_trees = False
+
+
+def test_selectors_without_tree_support_refuse_trees() -> None:
     with pytest.raises(TypeError, match="does not select draft-tree nodes"):
-        selector.select(torch.zeros(2, 3), parents=chain_parents(2, 3))
+        ChainOnly(2).select(torch.zeros(2, 3), parents=chain_parents(2, 3))
+
+
+# --------------------------------------------------------------------------------------------
+# The window selectors on trees: a window is a depth. Expected masks come from walking every
+# path up to the root, not from the pointer jumping under test.
+
+
+def depths_and_weakest(parents: torch.Tensor, logprobs: torch.Tensor):
+    """``([B, N] depth, [B, N] smallest log-prob on each node's path)``, by walking up from every
+    node to the root."""
+    rows, nodes = parents.shape
+    depth = torch.zeros(rows, nodes, dtype=torch.int64)
+    weakest = torch.full((rows, nodes), math.inf, dtype=logprobs.dtype)
+    for i, j in itertools.product(range(rows), range(nodes)):
+        t = j
+        while t >= 0:
+            depth[i, j] += 1
+            weakest[i, j] = min(weakest[i, j], logprobs[i, t])
+            t = int(parents[i, t])
+    return depth, weakest
+
+
+@SETTINGS
+@given(trees(), st.integers(1, 4), st.data())
+def test_dsd_verifies_every_node_up_to_one_depth(tree, max_k: int, data) -> None:
+    parents, logprobs = tree
+    rows = parents.shape[0]
+    active = data.draw(active_masks(rows))
+    selector = DSDSelector(max_k=max_k)
+    window = selector.draft_length(rows)
+    depth, weakest = depths_and_weakest(parents, logprobs)
+    expected = (weakest > -math.inf) & (depth <= window) & active.unsqueeze(1)
+    assert torch.equal(selector.select(logprobs, active, parents=parents).mask, expected)
+
+
+@SETTINGS
+@given(trees(), st.sampled_from([0.0, 0.25, 0.5, 0.9, 1.0]), st.integers(1, 4))
+def test_threshold_verifies_nodes_whose_whole_path_is_confident(tree, threshold, max_k) -> None:
+    parents, logprobs = tree
+    depth, weakest = depths_and_weakest(parents, logprobs)
+    confident = (weakest >= math.log(threshold)) if threshold > 0 else torch.ones_like(depth) > 0
+    expected = confident & (weakest > -math.inf) & (depth <= max_k)
+    selection = ThresholdSelector(max_k, threshold).select(logprobs, parents=parents)
+    assert torch.equal(selection.mask, expected)
+
+
+# root -> {0, 1}; 0 -> {2, 3}; 2 -> {4}: depths 1, 1, 2, 2, 3. Row 1: the same with node 1 at
+# probability 0.
+TREE = torch.tensor([[-1, -1, 0, 0, 2]] * 2)
+TREE_DEPTH = torch.tensor([1, 1, 2, 2, 3])
+TREE_LOGPROBS = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.5], [0.9, 0.0, 0.7, 0.6, 0.5]]).log()
+
+
+def path(*nodes_per_row: list[int]) -> torch.Tensor:
+    """``[2, 5]`` bool accepted paths from node lists."""
+    out = torch.zeros(2, 5, dtype=torch.bool)
+    for row, nodes in enumerate(nodes_per_row):
+        out[row, nodes] = True
+    return out
+
+
+def test_heuristic_tree_windows_are_per_request_depths() -> None:
+    """Row 0 accepts down to the deepest selected level (grows by 2), row 1 stops short
+    (shrinks by 1): the windows are depths, learned from the accepted path's length."""
+    selector = HeuristicSelector(k0=2, max_k=6)
+    first = selector.select(TREE_LOGPROBS, parents=TREE)
+    available = ~TREE_LOGPROBS.isneginf()
+    assert torch.equal(first.mask, (TREE_DEPTH <= 2) & available)  # 4 nodes, 3 in row 1
+    accepted = path([0, 2], [0])
+    selector.update(first, accepted.sum(dim=1), accepted_nodes=accepted)
+    assert selector.windows().tolist() == [4, 1]
+    second = selector.select(TREE_LOGPROBS, parents=TREE)
+    assert second.mask.tolist() == [[True] * 5, [True, False, False, False, False]]
+
+
+def test_dsd_tree_acceptance_is_per_depth() -> None:
+    """DSD's estimate moves by accepted / deepest selected depth: the chain rule per level, not
+    accepted / selected nodes (siblings compete for one level)."""
+    selector = DSDSelector(max_k=2, alpha0=0.5)
+    assert selector.draft_length(2) == 2, "the case needs a window of 2"
+    selection = selector.select(TREE_LOGPROBS, parents=TREE)
+    assert selection.lengths.tolist() == [4, 3]
+    accepted = path([0, 2], [0])
+    selector.update(selection, accepted.sum(dim=1), accepted_nodes=accepted)
+    observed = (2 + 1) / (2 + 2)  # accepted path lengths over selected depths
+    assert selector.acceptance_estimate() == pytest.approx(0.85 * 0.5 + 0.15 * observed)
 
 
 @pytest.mark.parametrize(

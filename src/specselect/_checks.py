@@ -160,3 +160,16 @@ def check_counts(name: str, value: object, batch: int, device: torch.device) -> 
     if _values_checkable(t) and t.numel() and bool((t < 0).any()):
         raise ValueError(f"{name} must be >= 0, got min {int(t.min())}")
     return t
+
+
+def check_at_most(name: str, t: Tensor, bound_name: str, bound: Tensor) -> Tensor:
+    """Raise if any ``t[i] > bound[i]`` (two ``[B]`` tensors; a value check: see the module doc)."""
+    if _values_checkable(t) and _values_checkable(bound) and t.numel():
+        over = t > bound  # [B]
+        if bool(over.any()):
+            i = int(over.nonzero()[0, 0])
+            raise ValueError(
+                f"{name} must be <= {bound_name}, got {name}[{i}] = {int(t[i])} > "
+                f"{bound_name}[{i}] = {int(bound[i])}"
+            )
+    return t

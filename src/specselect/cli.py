@@ -88,13 +88,13 @@ def _name_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise argparse.ArgumentTypeError("--selectors expects comma-separated selector names")
+    from specselect.registry import parse_spec
+
     for name in names:
-        base, plus, estimator = name.partition("+")
-        if plus and not (base.strip() and estimator.strip()):
-            raise argparse.ArgumentTypeError(
-                f"{name!r} needs a selector name and an estimator around '+' "
-                "(e.g. tetris+calibrated)"
-            )
+        try:
+            parse_spec(name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
     return names
 
 

@@ -1,7 +1,7 @@
 """The optional fused CPU kernel for top-``C`` selection, compiled on first use.
 
 On a CPU, PyTorch pays a few microseconds of dispatch per operator and has no fused kernel for
-"the ``C`` cheapest entries of a matrix", so :func:`~specselect.selection.cheapest_mask` costs
+"the ``C`` cheapest entries of a matrix", so :func:`~specselect.topc.cheapest_mask` costs
 about eight tensor passes and a ``kthvalue``. ``_native/cheapest.c`` does the same selection
 in a few passes (integer keys, a radix select, the mask and per-row counts): at ``B = 1024,
 K = 16`` the paper's TETRIS ``select`` takes 77 µs with it and 201 µs without on one CPU
@@ -116,7 +116,7 @@ def usable_for(costs: Tensor, keep: Tensor | None) -> bool:
 
 def cheapest_mask(costs: Tensor, budget: int, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The fused kernel: ``([B, N] bool mask, [B] int64 counts)``; see
-    :func:`specselect.selection.cheapest_mask` for the contract.
+    :func:`specselect.topc.cheapest_mask` for the contract.
 
     Args:
         costs: ``[B, N]`` float32 CPU tensor (made contiguous if it is not).

@@ -1,10 +1,17 @@
-"""Build selectors by name (used by the CLI and by configuration files)."""
+"""Build selectors by name (used by the CLI and by configuration files), and parse selector specs.
+
+A *selector spec* names a selector and, optionally, its acceptance estimator:
+``"tetris"``, ``"tetris+calibrated"``, ``"tetris+none"`` (no estimator: the paper's TETRIS).
+:func:`parse_spec` is the one parser of that form; what the estimator part means for a given
+selector is its :meth:`~specselect.selection.Selector.spec_kwargs`.
+"""
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
+from specselect.estimators import ESTIMATORS, NO_ESTIMATOR
 from specselect.selection import Selector
 from specselect.selectors import SELECTORS
 
@@ -35,3 +42,51 @@ def make_selector(name: str, **kwargs: Any) -> Selector:
             f"it takes {', '.join(params) or 'no arguments'}"
         )
     return cls(**kwargs)
+
+
+class SelectorSpec(NamedTuple):
+    """A parsed selector spec: ``"tetris+calibrated"`` is ``SelectorSpec("tetris", "calibrated")``.
+
+    Attributes:
+        name: the selector's name (not checked: comparisons also know the replay-only
+            ``"oracle"``).
+        estimator: the part after ``+``, a registry name of
+            :data:`~specselect.estimators.ESTIMATORS` or
+            :data:`~specselect.estimators.NO_ESTIMATOR`; ``None`` without ``+`` (the selector's
+            default).
+    """
+
+    name: str
+    estimator: str | None
+
+
+def spec_estimators() -> list[str]:
+    """What may follow ``+`` in a selector spec."""
+    return [NO_ESTIMATOR, *sorted(ESTIMATORS)]
+
+
+def parse_spec(spec: str) -> SelectorSpec:
+    """Parse ``NAME`` or ``NAME+ESTIMATOR``: ``"fixed"`` -> ``SelectorSpec("fixed", None)``.
+
+    Raises:
+        TypeError: ``spec`` is not a string.
+        ValueError: an empty name or estimator, or an estimator that is not one of
+            :func:`spec_estimators`.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"a selector spec must be a str, got {type(spec).__name__}")
+    name, plus, estimator = spec.partition("+")
+    if plus and not (name and estimator):
+        raise ValueError(
+            f"{spec!r} needs a selector name and an estimator around '+' (e.g. tetris+calibrated)"
+        )
+    if not name:
+        raise ValueError("a selector spec needs a selector name, got ''")
+    if not plus:
+        return SelectorSpec(name, None)
+    if estimator not in ESTIMATORS and estimator != NO_ESTIMATOR:
+        raise ValueError(
+            f"selector spec {spec!r}: unknown estimator {estimator!r}; expected one of "
+            f"{', '.join(spec_estimators())}"
+        )
+    return SelectorSpec(name, estimator)

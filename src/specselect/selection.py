@@ -1,36 +1,41 @@
-"""The selection contract: what a selector receives, what it returns, and the shared kernels.
+"""The selection contract: what a selector receives, what it returns, and its base class.
 
 A *selector* decides, each step, which drafted tokens the target model verifies. It sees only
 draft-side information (the draft's log-probabilities), so any selection keeps speculative
 sampling lossless. Everything here is pure tensor code on the input's device with no host sync,
 so that a decoding loop can call it between two forward passes, or capture it in a CUDA graph.
+The top-``C`` kernel that budgeted selectors run lives in :mod:`specselect.topc`
+(:func:`top_c_mask` is importable from here too).
 """
 
 from __future__ import annotations
 
 import abc
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from specselect import native
 from specselect._checks import (
+    _values_checkable,
     check_active,
+    check_at_most,
     check_counts,
-    check_int,
     check_logprobs,
-    check_no_nan,
     check_row_ints,
     check_tensor,
 )
-
-if TYPE_CHECKING:
-    from specselect.estimators import AcceptanceEstimator
+from specselect.constants import cached_constant
+from specselect.cost import CostModel
+from specselect.estimators import (
+    NO_ESTIMATOR,
+    AcceptanceEstimator,
+    observed_outcomes,
+    tree_outcomes,
+)
+from specselect.topc import top_c_mask as top_c_mask  # public here too
+from specselect.tree import check_parents, path_sums
 
 NEG_INF = float("-inf")
 
@@ -64,6 +69,14 @@ class Selection:
         """Build the prefix selection of ``lengths`` (``[B]``) over ``width`` draft positions."""
         lengths = lengths.to(torch.int64)
         return cls(lengths=lengths, mask=prefix_mask(lengths, width))
+
+    @classmethod
+    def from_mask(cls, mask: Tensor, active: Tensor | None = None) -> Selection:
+        """Select the nodes of ``mask`` (``[B, N]`` bool, closed under ancestors), none in the
+        rows outside ``active`` (``[B]`` bool); ``lengths`` counts each row's nodes."""
+        if active is not None:
+            mask = mask & active.unsqueeze(1)
+        return cls(lengths=mask.sum(dim=1), mask=mask)
 
     @property
     def num_verified(self) -> Tensor:
@@ -100,260 +113,6 @@ def available_lengths(draft_logprobs: Tensor) -> Tensor:
     return (draft_logprobs > NEG_INF).cumprod(dim=1).sum(dim=1)  # bool cumprod gives int64
 
 
-def top_c_mask(scores: Tensor, budget: int) -> Tensor:
-    """Select exactly ``min(budget, available)`` entries with the largest scores.
-
-    Args:
-        scores: ``[B, N]`` float; ``-inf`` marks entries that are never selected, ``+inf``
-            entries that always win. Scores must not increase from an entry to any entry that
-            depends on it (along a chain, or from a tree node to its children, where a child
-            always has a larger index than its parent).
-        budget: a static Python int >= 0 (the total count, not per row).
-
-    Returns:
-        ``[B, N]`` bool mask on the input's device.
-
-    Equal scores go to lower columns first (shallower positions), then to lower rows. That rule
-    keeps the mask closed under prerequisites: an entry's prerequisites score at least as much
-    and sit in lower columns, so they rank strictly before it; the best ``budget`` entries of a
-    strict order whose prerequisites always rank first are a closed set.
-
-    The work is a linear-time selection (not a sort) and no host sync; see
-    :func:`cheapest_mask` for the two kernels and how ties cost nothing. NaN scores are an error
-    where values are checked (CPU) and are never selected elsewhere.
-    """
-    check_tensor("scores", scores, rank=2)
-    if not scores.is_floating_point():
-        raise TypeError(f"scores must be a floating-point tensor, got {scores.dtype}")
-    check_no_nan("scores", scores)
-    budget = check_int("budget", budget)
-    return cheapest_mask(scores.neg(), budget, nonnegative=False)
-
-
-# Ranking codes. A float32 (or narrower) cost converted to float64 is exact and leaves the low
-# 29 mantissa bits zero; OR-ing an entry's position into those bits makes every code distinct
-# without changing the order of distinct costs. Read as int64, the codes of non-negative costs
-# sort like the costs; negative costs (sign bit set) need their magnitude bits flipped first.
-_POSITION_BITS = 29
-_MAGNITUDE_FLIP = (2**63 - 1) ^ (2**_POSITION_BITS - 1)  # bits 29..62
-_NEVER_CODE = 0x7FF0000000000000  # float64 +inf: codes at or above it are never selected
-_NO_CODE = -(2**63)  # below every code: a row threshold that takes nothing
-_CONSTANTS: OrderedDict[tuple[object, ...], Tensor] = OrderedDict()
-_CONSTANTS_SIZE = 32
-
-
-def cheapest_mask(
-    costs: Tensor, budget: int, *, nonnegative: bool = False, keep: Tensor | None = None
-) -> Tensor:
-    """Select exactly ``min(budget, available)`` entries with the smallest costs.
-
-    The cost-space twin of :func:`top_c_mask` (cost = -score), and the kernel that it and
-    :class:`~specselect.selectors.TetrisSelector` run. No argument checks: callers check.
-
-    Args:
-        costs: ``[B, N]`` float; ``+inf`` = never selected, ``-inf`` = taken before anything
-            else. Costs must not decrease from an entry to any entry that depends on it.
-        budget: static Python int >= 0.
-        nonnegative: promise that every cost is ``-inf``, ``+inf`` or ``>= +0.0`` (not
-            ``-0.0``), e.g. the absolute cumulative log-probabilities of validated draft
-            log-probs. It saves four elementwise passes; a broken promise gives a wrong mask.
-        keep: optional ``[B]`` bool; rows outside it get an empty mask *after* the selection,
-            so their entries still take budget (how TETRIS absorbs inactive rows).
-
-    Returns:
-        ``[B, N]`` bool mask.
-
-    Float32 CPU costs in eager mode go to the fused kernel of :mod:`specselect.native` when it
-    is available; everything else (accelerators, ``torch.compile``, other dtypes) runs
-    :func:`cheapest_mask_torch`. Both give the same mask.
-    """
-    return _cheapest(costs, budget, nonnegative, keep)[0]
-
-
-def cheapest_selection(
-    costs: Tensor, budget: int, *, nonnegative: bool = False, keep: Tensor | None = None
-) -> Selection:
-    """:func:`cheapest_mask` as a :class:`Selection`: the mask and each row's count (``[B]``).
-
-    The fused CPU kernel counts while it writes the mask, which saves a reduction.
-    """
-    mask, counts = _cheapest(costs, budget, nonnegative, keep)
-    return Selection(lengths=mask.sum(dim=1) if counts is None else counts, mask=mask)
-
-
-def _cheapest(
-    costs: Tensor, budget: int, nonnegative: bool, keep: Tensor | None
-) -> tuple[Tensor, Tensor | None]:
-    """``([B, N] mask, [B] counts or None)``: the fused kernel if it serves, else PyTorch."""
-    if 0 < budget < costs.numel() and native.usable_for(costs, keep):
-        return native.run(costs, budget, keep)
-    return cheapest_mask_torch(costs, budget, nonnegative=nonnegative, keep=keep), None
-
-
-def cheapest_mask_torch(
-    costs: Tensor, budget: int, *, nonnegative: bool = False, keep: Tensor | None = None
-) -> Tensor:
-    """:func:`cheapest_mask` in PyTorch operators only: any device, capturable, compilable.
-
-    How: every entry gets a distinct int64 code ordered by (cost, column, row); the
-    ``budget``-th smallest code is found with ``kthvalue`` and everything up to it is taken. As
-    the codes are distinct, exactly ``budget`` entries pass, ties included, without a tie pass.
-    float64 costs have no spare bits for the position and take :func:`_cheapest_mask_float64`.
-    """
-    rows, cols = costs.shape
-    n = rows * cols
-    if budget <= 0 or n == 0:  # static edge cases: no selection needed
-        return torch.zeros(costs.shape, dtype=torch.bool, device=costs.device)
-    if not nonnegative:  # NaN is never selected, like +inf (a NaN's sign bit would rank it first)
-        costs = costs.masked_fill(costs.isnan(), float("inf"))
-    if budget >= n:
-        return _keep_rows(costs < float("inf"), keep)
-    if costs.dtype == torch.float64 or n > 2**_POSITION_BITS:
-        return _keep_rows(_cheapest_mask_float64(costs.to(torch.float64), budget), keep)
-    codes = _ranking_codes(costs, nonnegative=nonnegative)
-    # Clamp: if fewer than ``budget`` entries are available, stop before the never-selected.
-    kth = torch.kthvalue(codes.reshape(-1), budget).values.clamp(max=_NEVER_CODE - 1)
-    if keep is None:
-        return codes <= kth
-    # One broadcast comparison instead of a comparison and a broadcast ``&``.
-    return codes <= torch.where(keep, kth, _NO_CODE).unsqueeze(1)
-
-
-def cheapest_per_row(costs: Tensor, count: int) -> Tensor:
-    """Select each row's ``min(count, available)`` cheapest entries (``[B, N]`` → bool mask).
-
-    The per-request counterpart of :func:`cheapest_mask` (what EAGLE-2 and SGLang do with draft
-    trees: every request keeps its own best ``count`` nodes). Same ranking codes, same tie
-    rule, so the result is closed under prerequisites; ``kthvalue`` runs along each row.
-    """
-    cols = costs.shape[1]
-    if count <= 0 or cols == 0:
-        return torch.zeros(costs.shape, dtype=torch.bool, device=costs.device)
-    if count >= cols:
-        return costs < float("inf")
-    if costs.dtype == torch.float64:  # no spare bits for positions: rank in float32
-        costs = costs.to(torch.float32)
-    codes = _ranking_codes(costs, nonnegative=False)
-    kth = torch.kthvalue(codes, count, dim=1, keepdim=True).values.clamp(max=_NEVER_CODE - 1)
-    return codes <= kth
-
-
-def _keep_rows(mask: Tensor, keep: Tensor | None) -> Tensor:
-    """``mask`` (``[B, N]`` bool) with the rows outside ``keep`` (``[B]`` bool) cleared."""
-    return mask if keep is None else mask & keep.unsqueeze(1)
-
-
-def _ranking_codes(costs: Tensor, *, nonnegative: bool) -> Tensor:
-    """``[B, N]`` int64 codes, distinct, ordered by (cost, column, row); see :func:`cheapest_mask`.
-
-    ``costs`` is ``[B, N]`` float32/float16/bfloat16. With ``nonnegative`` the caller promises
-    no negative values and no ``-0.0`` (which would rank apart from ``+0.0``).
-    """
-    rows, cols = costs.shape
-    wide = costs.to(torch.float64)  # [B, N], a fresh tensor (costs is narrower): safe to modify
-    bits = wide.view(torch.int64)
-    if not nonnegative:
-        wide += 0.0  # -0.0 becomes +0.0: equal costs need equal bits
-        bits ^= (bits >> 63) & _MAGNITUDE_FLIP  # negative floats: larger magnitude ranks first
-    positions = cached_constant(("positions", rows, cols, costs.device), _position_codes)
-    return bits.bitwise_or_(positions)
-
-
-def _position_codes(rows: int, cols: int, device: torch.device) -> Tensor:
-    """``[rows, cols]`` int64 ``j * rows + i``: the column-major position that breaks ties."""
-    return torch.arange(rows * cols, device=device).view(cols, rows).t().contiguous()
-
-
-def cached_constant(key: tuple[object, ...], build: Callable[..., Tensor]) -> Tensor:
-    """``build(*key[1:])``, cached under ``key``: for small constant tensors used every step.
-
-    A cached tensor saves a few kernel launches per call; nothing may modify it in place. The
-    cache is bypassed while compiling or tracing (the constant then lives in the graph; a fake
-    tensor must never be cached) and while a CUDA graph is being captured: inside a capture
-    the kernel that fills a tensor is only recorded, so a tensor cached then would hold garbage
-    until the graph replays. Once ``_CONSTANTS_SIZE`` entries are held the oldest non-CUDA one
-    is dropped; CUDA entries are kept for good, because a captured graph may read them and does
-    not keep them alive itself.
-    """
-    tracing = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-    cached = None if tracing else _CONSTANTS.get(key)
-    if cached is not None:
-        return cached
-    value = build(*key[1:])
-    if not tracing and type(value) is Tensor and not _capturing(value.device):
-        if len(_CONSTANTS) >= _CONSTANTS_SIZE:
-            _evict_one()
-        _CONSTANTS[key] = value
-    return value
-
-
-def _evict_one() -> None:
-    """Drop the oldest cached constant that no CUDA graph can depend on."""
-    for old_key, old_value in _CONSTANTS.items():
-        if old_value.device.type != "cuda":
-            del _CONSTANTS[old_key]
-            return
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _cheapest_mask_float64(costs: Tensor, budget: int) -> Tensor:
-    """:func:`cheapest_mask` for ``[B, N]`` float64 costs: threshold, then a tie pass.
-
-    Everything strictly below the ``budget``-th smallest cost ``tau`` is taken; of the entries
-    equal to ``tau`` (never ``+inf``), the first ``budget - taken`` in column-major order are.
-    """
-    rows, cols = costs.shape
-    tau = torch.kthvalue(costs.reshape(-1), budget).values
-    below = costs < tau
-    tied = (costs == tau) & (costs < float("inf"))
-    remaining = budget - below.sum()
-    # Inclusive rank of each tied entry in column-major order (column first, then row).
-    rank = tied.t().reshape(-1).cumsum(dim=0).view(cols, rows).t()
-    return below | (tied & (rank <= remaining))
-
-
-def observed_outcomes(
-    lengths: Tensor,  # [B] int64 selected tokens per row
-    num_accepted: Tensor,  # [B] int accepted tokens per row
-    width: int,
-) -> tuple[Tensor, Tensor]:  # ([B, K] bool, [B, K] bool)
-    """Which draft positions were tested by the target this step, and which passed.
-
-    Position ``j`` of row ``i`` is *tested* if it was selected and everything before it was
-    accepted (``j <= num_accepted[i] < lengths[i]``, or ``j < lengths[i]`` when all passed). It
-    *passed* if ``j < num_accepted[i]``. Positions after the first rejection say nothing about
-    acceptance given an accepted prefix, so they are not observations.
-    """
-    positions = torch.arange(width, device=lengths.device).unsqueeze(0)  # [1, K]
-    accepted = num_accepted.to(torch.int64).unsqueeze(1)  # [B, 1]
-    tested = (positions <= accepted) & (positions < lengths.unsqueeze(1))
-    return tested, positions < accepted
-
-
-def tree_outcomes(
-    selected: Tensor,  # [B, N] bool, closed under ancestors
-    parents: Tensor,  # [B, N] int64, -1 = child of the root
-    accepted: Tensor,  # [B, N] bool, the accepted root-to-node path
-) -> tuple[Tensor, Tensor]:  # ([B, N] bool, [B, N] bool)
-    """Which draft-tree nodes the target tested this step, and which passed.
-
-    A selected node was tested if its parent is the root or on the accepted path, and no
-    earlier sibling was accepted (verification tries siblings in index order and stops at the
-    first accepted one). It passed if it is on the accepted path.
-    """
-    has_parent = parents >= 0
-    parent_on_path = accepted.gather(1, parents.clamp(min=0)) & has_parent
-    nodes = parents.shape[1]
-    earlier = torch.ones(nodes, nodes, dtype=torch.bool, device=parents.device).tril(-1)
-    siblings = (parents.unsqueeze(2) == parents.unsqueeze(1)) & earlier  # [B, N, N]
-    beaten = (siblings & accepted.unsqueeze(1)).any(dim=2)  # an earlier sibling was accepted
-    tested = selected & (~has_parent | parent_on_path) & ~beaten
-    return tested, accepted & tested
-
-
 class Selector(abc.ABC):
     """Base class of every selector.
 
@@ -363,15 +122,25 @@ class Selector(abc.ABC):
     2. :meth:`select` — which of the drafted tokens (or draft-tree nodes) the target verifies;
     3. :meth:`update` — feedback after verification (accepted counts), for adaptive selectors.
 
-    Subclasses implement :meth:`_select` (chains) and, if ``supports_trees``,
-    :meth:`_select_tree`; the base class checks the arguments, applies the optional acceptance
-    ``estimator`` to the draft log-probabilities, feeds it the outcomes, and resets per-request
-    state when a batch slot starts serving a new request.
+    Subclasses call ``super().__init__()``, implement :meth:`_select` (chains) and, if
+    ``supports_trees``, :meth:`_select_tree`; the base class checks the arguments, applies the
+    optional acceptance ``estimator`` to the draft log-probabilities, feeds it the outcomes, and
+    resets per-request state when a batch slot starts serving a new request.
+
+    Comparison grids (:func:`specselect.replay.selector_grid`) build selectors through the
+    class-level hooks :meth:`grid_kwargs`, ``grid_extra`` and :meth:`spec_kwargs`.
     """
 
     name: ClassVar[str] = "selector"
     supports_trees: ClassVar[bool] = False
-    estimator: AcceptanceEstimator | None = None
+    grid_extra: ClassVar[bool] = False
+    """Whether :meth:`grid_kwargs` depends on ``extra``: a grid then holds one configuration per
+    ``extra`` and labels it with it; otherwise one configuration stands for every ``extra``."""
+    estimator: AcceptanceEstimator | None = None  # set by selectors that take one
+
+    def __init__(self) -> None:
+        self._last: _LastSelect | None = None  # what the last select saw, for update
+        self._request_ids: Tensor | None = None  # [B] request in each slot at the last select
 
     @abc.abstractmethod
     def draft_length(self, num_active: int) -> int:
@@ -407,34 +176,34 @@ class Selector(abc.ABC):
             self._follow_requests(
                 check_row_ints("request_ids", request_ids, rows, draft_logprobs.device)
             )
+        positions = None
         if parents is not None:
             if not self.supports_trees:
                 raise TypeError(
-                    f"{type(self).__name__} does not select draft-tree nodes (parents=...); "
-                    "use a selector with supports_trees, e.g. 'tetris' or 'fixed'"
+                    f"{type(self).__name__} does not select draft-tree nodes (parents=...): "
+                    "its supports_trees is False (every selector specselect ships supports trees)"
                 )
-            from specselect.tree import check_parents, path_sums  # tree imports nothing here
-
             parents = check_parents(parents, rows=rows, width=width)
             positions = path_sums(torch.ones_like(draft_logprobs), parents).to(torch.int64) - 1
         scores = draft_logprobs
         if self.estimator is not None:
-            scores = self.estimator.estimate(draft_logprobs, None if parents is None else positions)
-        self._last = _LastSelect(
-            draft_logprobs, scores, parents, None if parents is None else positions
-        )
-        if parents is None:
-            return self._select(scores, active)
-        return self._select_tree(scores, active, parents)
+            scores = self.estimator.estimate(draft_logprobs, positions)
+        if parents is None or positions is None:
+            selection = self._select(scores, active)
+        else:
+            selection = self._select_tree(scores, active, parents, positions + 1)
+        self._last = _LastSelect(draft_logprobs, scores, parents, positions)
+        return selection
 
     @abc.abstractmethod
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
         """Selection on checked arguments (``[B, K]`` log-probs, optional ``[B]`` bool)."""
 
     def _select_tree(
-        self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor
+        self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor, depth: Tensor
     ) -> Selection:
-        """Tree selection (``[B, N]`` node log-probs and parents); only if ``supports_trees``."""
+        """Tree selection from ``[B, N]`` node log-probs, parents and depths (1 for the root's
+        children); only if ``supports_trees``. The mask must be closed under ancestors."""
         raise NotImplementedError
 
     def update(
@@ -450,43 +219,79 @@ class Selector(abc.ABC):
         root-to-node path) so that estimators know which nodes passed. The acceptance
         estimator, if any, learns from the outcomes; adaptive selectors override
         :meth:`_update`.
-        """
-        check_counts(
-            "num_accepted", num_accepted, selection.lengths.shape[0], selection.lengths.device
-        )
-        if accepted_nodes is not None:
-            check_tensor("accepted_nodes", accepted_nodes, rank=2)
-            if accepted_nodes.dtype != torch.bool or accepted_nodes.shape != selection.mask.shape:
-                raise ValueError(
-                    f"accepted_nodes must be a bool tensor of shape {tuple(selection.mask.shape)}"
-                )
-        self._accepted_nodes = accepted_nodes
-        last = getattr(self, "_last", None)
-        if self.estimator is not None and last is not None:
-            tested, passed = self.outcomes(selection, num_accepted)
-            self.estimator.learn(last.logprobs, tested, passed, last.positions)
-        self._update(selection, num_accepted)
 
-    def outcomes(self, selection: Selection, num_accepted: Tensor) -> tuple[Tensor, Tensor]:
-        """``([B, K] tested, [B, K] passed)`` of the last step (see :func:`observed_outcomes`
-        and :func:`tree_outcomes`)."""
-        last = getattr(self, "_last", None)
+        Raises:
+            ValueError: ``num_accepted`` is not a ``[B]`` count tensor, exceeds
+                ``selection.lengths`` (checked where values are readable without a sync: CPU
+                tensors), or ``selection`` does not match the last :meth:`select` (a new batch
+                needs :meth:`reset`).
+        """
+        lengths = selection.lengths
+        check_counts("num_accepted", num_accepted, lengths.shape[0], lengths.device)
+        check_at_most("num_accepted", num_accepted, "selection.lengths", lengths)
+        last = self._matching_last(selection)
+        if accepted_nodes is not None:
+            _check_accepted_nodes(accepted_nodes, selection, num_accepted)
+        if self.estimator is not None and last is not None:
+            tested, passed = self.outcomes(selection, num_accepted, accepted_nodes)
+            self.estimator.learn(last.logprobs, tested, passed, last.positions)
+        self._update(selection, num_accepted, accepted_nodes)
+
+    def _matching_last(self, selection: Selection) -> _LastSelect | None:
+        """The last select's record, or a clear error if ``selection`` cannot be its answer."""
+        last = self._last
+        if last is None:
+            return None
+        seen, mask = last.logprobs, selection.mask
+        if mask.shape != seen.shape or mask.device != seen.device:
+            raise ValueError(
+                f"selection.lengths and selection.mask have shapes "
+                f"{tuple(selection.lengths.shape)} and {tuple(mask.shape)} on {mask.device}, but "
+                f"the last select() of this {type(self).__name__} saw draft_logprobs of shape "
+                f"{tuple(seen.shape)} on {seen.device}; call reset() before a new batch"
+            )
+        return last
+
+    def outcomes(
+        self, selection: Selection, num_accepted: Tensor, accepted_nodes: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """``([B, K] tested, [B, K] passed)`` of the last step (see
+        :func:`~specselect.estimators.outcomes.observed_outcomes` and
+        :func:`~specselect.estimators.outcomes.tree_outcomes`); after a tree selection it needs
+        the accepted path, ``accepted_nodes`` (``[B, N]`` bool)."""
+        last = self._last
         if last is None or last.parents is None:
             return observed_outcomes(selection.lengths, num_accepted, selection.mask.shape[1])
-        accepted = getattr(self, "_accepted_nodes", None)
-        if accepted is None:
+        if accepted_nodes is None:
             raise ValueError(
                 f"{type(self).__name__} learns from its outcomes: after a tree selection, call "
                 "update(selection, num_accepted, accepted_nodes=...) with the accepted path"
             )
-        return tree_outcomes(selection.mask, last.parents, accepted)
+        return tree_outcomes(selection.mask, last.parents, accepted_nodes)
 
-    def _update(self, selection: Selection, num_accepted: Tensor) -> None:  # noqa: B027
-        """Adaptive selectors override this; the default keeps no state."""
+    def _selected_depths(self, selection: Selection) -> Tensor:
+        """``[B]`` int64: the deepest selected position of each row, 0 when nothing is.
+
+        A chain's selected length; for a draft tree (when the last :meth:`select` had
+        ``parents``), the largest depth among the selected nodes. An accepted length equal to
+        it means the target accepted everything it could have: what adaptive selectors learn
+        from, the same way for chains and trees.
+        """
+        last = self._last
+        if last is None or last.positions is None or selection.mask.shape[1] == 0:
+            return selection.lengths
+        depth = last.positions + 1  # [B, N]
+        return torch.where(selection.mask, depth, 0).amax(dim=1)
+
+    def _update(  # noqa: B027
+        self, selection: Selection, num_accepted: Tensor, accepted_nodes: Tensor | None
+    ) -> None:
+        """Adaptive selectors override this (arguments checked); the default keeps no state."""
 
     def reset(self) -> None:
         """Forget all state learned from feedback (start of a new generation)."""
-        self._request_ids: Tensor | None = None
+        self._last = None
+        self._request_ids = None
         if self.estimator is not None:
             self.estimator.reset()
 
@@ -499,20 +304,86 @@ class Selector(abc.ABC):
     def last_scores(self) -> Tensor | None:
         """``[B, K]`` the log-scores the last :meth:`select` ranked: the estimator's estimates
         of the acceptance log-probabilities, or the draft log-probs without an estimator."""
-        last = getattr(self, "_last", None)
-        return None if last is None else last.scores
+        return None if self._last is None else self._last.scores
 
     def _follow_requests(self, request_ids: Tensor) -> None:
-        previous = getattr(self, "_request_ids", None)
+        previous = self._request_ids
         if previous is not None and previous.shape == request_ids.shape:
             self.reset_rows(request_ids != previous)
         elif previous is not None:
             self.reset()
         self._request_ids = request_ids.clone()
 
+    @classmethod
+    def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any] | None:
+        """Constructor arguments at one point of a comparison grid, or ``None`` for none there.
+
+        ``k`` is the mean window the point compares at (standard SD verifies ``k`` tokens per
+        request), ``extra`` the tokens a selector may draft beyond it, and ``budget`` a fixed
+        total per step (``None``: the selector's default). The default, ``{"k": k}`` and no
+        configuration at a fixed budget, fits a selector whose only parameter is its window;
+        selectors with other parameters override it.
+        """
+        return {"k": k} if budget is None else None
+
+    @classmethod
+    def spec_kwargs(cls, estimator: str | None, cost_model: CostModel | None) -> dict[str, Any]:
+        """Constructor arguments a comparison adds to those of :meth:`grid_kwargs`.
+
+        ``estimator`` is a selector spec's part after ``+`` (``"calibrated"`` in
+        ``"tetris+calibrated"``; :data:`~specselect.estimators.NO_ESTIMATOR` for none), or
+        ``None`` when the spec has none; ``cost_model`` is the comparison's timing model, for
+        selectors that plan with one. The default takes neither.
+
+        Raises:
+            ValueError: an estimator for a selector that takes none.
+        """
+        if estimator is not None:
+            raise ValueError(f"{cls.name!r} takes no estimator")
+        return {}
+
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({params})"
+
+
+def _check_accepted_nodes(
+    accepted_nodes: object, selection: Selection, num_accepted: Tensor
+) -> None:
+    """``accepted_nodes`` must be a ``[B, N]`` bool path of selected nodes, ``num_accepted``
+    long per row (its values are checked where they are readable without a sync)."""
+    t = check_tensor("accepted_nodes", accepted_nodes, rank=2)
+    if t.dtype != torch.bool or t.shape != selection.mask.shape:
+        raise ValueError(
+            f"accepted_nodes must be a bool tensor of shape {tuple(selection.mask.shape)}, got "
+            f"{t.dtype} {tuple(t.shape)}"
+        )
+    if not (_values_checkable(t) and _values_checkable(selection.mask) and t.numel()):
+        return
+    if bool((t & ~selection.mask).any()):
+        raise ValueError("accepted_nodes must be selected nodes (within selection.mask)")
+    counts = t.sum(dim=1)  # [B]
+    if bool((counts != num_accepted).any()):
+        row = int((counts != num_accepted).nonzero()[0, 0])
+        raise ValueError(
+            f"accepted_nodes must hold num_accepted nodes per row (the accepted path), got "
+            f"{int(counts[row])} in row {row} where num_accepted[{row}] = {int(num_accepted[row])}"
+        )
+
+
+def estimator_kwargs(estimator: str | None) -> dict[str, Any]:
+    """The ``estimator`` argument for a selector spec's estimator part (``None`` for
+    :data:`~specselect.estimators.NO_ESTIMATOR`), or none when the spec names no estimator."""
+    if estimator is None:
+        return {}
+    return {"estimator": None if estimator == NO_ESTIMATOR else estimator}
+
+
+def window_grid_kwargs(k: int, extra: int, budget: int | None) -> dict[str, Any]:
+    """``{"k": k, "extra": extra}``, with ``"budget"`` when one is given: the grid mapping of
+    selectors that draft ``k + extra`` tokens and verify ``k`` per request or a fixed budget
+    (TETRIS, the oracle)."""
+    return {"k": k, "extra": extra, **({} if budget is None else {"budget": budget})}
 
 
 def mask_inactive(lengths: Tensor, active: Tensor | None) -> Tensor:

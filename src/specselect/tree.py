@@ -68,6 +68,19 @@ def path_sums(values: Tensor, parents: Tensor) -> Tensor:
     return path_reduce(values, parents, torch.add)
 
 
+def path_minima(values: Tensor, parents: Tensor) -> Tensor:
+    """``[B, N]``: for each node, the smallest of ``values`` (``[B, N]``) over its
+    ancestors-or-self (on chains, a running minimum). A node whose path holds a ``-inf``
+    log-probability gets ``-inf``: nothing may select it."""
+    return path_reduce(values, parents, torch.minimum)
+
+
+def available_nodes(logprobs: Tensor, parents: Tensor) -> Tensor:
+    """``[B, N]`` bool: nodes whose path holds no ``-inf`` log-probability (``[B, N]``), the
+    nodes a selector may take; for chains, the prefix that ``available_lengths`` counts."""
+    return path_minima(logprobs, parents) > NEG_INF
+
+
 def path_reduce(
     values: Tensor, parents: Tensor, combine: Callable[[Tensor, Tensor], Tensor]
 ) -> Tensor:

@@ -6,7 +6,11 @@ from specselect.estimators.base import AcceptanceEstimator, DraftProbability
 from specselect.estimators.calibrated import CalibratedDraft
 from specselect.estimators.guard import RankingGuard
 from specselect.estimators.history import RequestHistory
-from specselect.selection import observed_outcomes, tree_outcomes
+from specselect.estimators.outcomes import observed_outcomes, tree_outcomes
+
+NO_ESTIMATOR = "none"
+"""The estimator part of a selector spec that means "no estimator" (``"tetris+none"``: TETRIS as
+in the paper, which also drops its ranking guard); see :func:`specselect.registry.parse_spec`."""
 
 ESTIMATORS: dict[str, type[AcceptanceEstimator]] = {
     DraftProbability.name: DraftProbability,
@@ -29,6 +33,7 @@ def make_estimator(estimator: AcceptanceEstimator | str | None) -> AcceptanceEst
 
 __all__ = [
     "ESTIMATORS",
+    "NO_ESTIMATOR",
     "AcceptanceEstimator",
     "CalibratedDraft",
     "DraftProbability",

@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_tensor
-from specselect.selection import Selection, observed_outcomes
 
 EPS = 1e-4  # estimates are kept in [EPS, 1 - EPS]: log(0) would forbid a token forever
 
@@ -49,12 +48,6 @@ class AcceptanceEstimator(abc.ABC):
         ``-inf`` inputs stay ``-inf`` (never selectable); everything else is finite and <= 0.
         """
 
-    def observe(self, draft_logprobs: Tensor, selection: Selection, num_accepted: Tensor) -> None:
-        """Learn from one chain step: its draft log-probs, the selection and the accepted
-        counts ``[B]``."""
-        tested, passed = observed_outcomes(selection.lengths, num_accepted, draft_logprobs.shape[1])
-        self.learn(draft_logprobs, tested, passed)
-
     @abc.abstractmethod
     def learn(
         self,
@@ -64,7 +57,8 @@ class AcceptanceEstimator(abc.ABC):
         positions: Tensor | None = None,
     ) -> None:
         """Update from ``[B, K]`` log-probs and ``[B, K]`` bool tested / passed masks
-        (:func:`observed_outcomes` for chains, :func:`tree_outcomes` for trees)."""
+        (:func:`~specselect.estimators.outcomes.observed_outcomes` for chains,
+        :func:`~specselect.estimators.outcomes.tree_outcomes` for trees)."""
 
     def reset(self) -> None:  # noqa: B027
         """Forget everything learned (a new generation)."""

@@ -6,8 +6,8 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int
+from specselect.constants import cached_constant
 from specselect.estimators.base import AcceptanceEstimator, clamp_log, logit
-from specselect.selection import cached_constant
 
 
 def _check_unit(name: str, value: float, *, closed_low: bool) -> float:

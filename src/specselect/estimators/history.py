@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from specselect.constants import cached_constant
 from specselect.estimators.base import (
     AcceptanceEstimator,
     check_rows,
@@ -15,7 +16,6 @@ from specselect.estimators.base import (
     logit,
 )
 from specselect.estimators.calibrated import CalibratedDraft, _check_unit
-from specselect.selection import cached_constant
 
 
 class _Features(NamedTuple):
@@ -140,7 +140,8 @@ class RequestHistory(AcceptanceEstimator):
     def _probabilities(self, features: _Features, weights: Tensor) -> Tensor:
         """``[B, K]`` sigmoid of the linear model, summed feature group by feature group."""
         scales = len(self.request_decays)
-        row_terms = torch.addmv(weights[0], features.history, weights[2 : 2 + scales])  # [B]
+        bias = weights[0].expand(features.history.shape[0])  # [B]: a 0-dim one loses B = 0
+        row_terms = torch.addmv(bias, features.history, weights[2 : 2 + scales])  # [B]
         base = features.position * weights[-1] + row_terms.unsqueeze(1)  # [B, K]
         return torch.sigmoid(torch.addcmul(base, features.calibrated, weights[1]))
 

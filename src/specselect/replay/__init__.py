@@ -35,7 +35,7 @@ Where things live (everything is importable from ``specselect.replay`` itself):
 * :mod:`specselect.replay.engine` — the replay loop (:func:`iter_replay`, :func:`replay`,
   :class:`ReplayStep`, :class:`ReplayResult`, :func:`end_of_row_logprobs`, reliability bins);
 * :mod:`specselect.replay.grid` — selector grids and comparisons (:class:`SelectorConfig`,
-  :func:`selector_grid`, :func:`split_spec`, :func:`compare_replay`).
+  :func:`selector_grid`, :func:`compare_replay`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ from specselect.replay.grid import (
     SelectorConfig,
     compare_replay,
     selector_grid,
-    split_spec,
 )
 from specselect.replay.oracle import OracleSelector
 from specselect.replay.traces import (
@@ -92,6 +91,5 @@ __all__ = [
     "replay",
     "save_traces",
     "selector_grid",
-    "split_spec",
     "traces_summary",
 ]

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -17,6 +19,7 @@ from specselect.selection import (
     available_lengths,
     mask_inactive,
     prefix_mask,
+    window_grid_kwargs,
 )
 
 __all__ = ["OracleSelector"]
@@ -47,8 +50,10 @@ class OracleSelector(Selector):
     """
 
     name = "oracle"
+    grid_extra = True
 
     def __init__(self, k: int, extra: int = 2, budget: int | None = None) -> None:
+        super().__init__()
         self.k = check_int("k", k)
         self.extra = check_int("extra", extra)
         self.budget = None if budget is None else check_int("budget", budget)
@@ -57,6 +62,10 @@ class OracleSelector(Selector):
     def draft_length(self, num_active: int) -> int:
         check_int("num_active", num_active)
         return self.k + self.extra
+
+    @classmethod
+    def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any]:
+        return window_grid_kwargs(k, extra, budget)
 
     def set_runs(self, runs: Tensor) -> None:
         """Reveal this step's true run lengths, ``runs`` ``[B]`` int64 (used by the next select)."""

@@ -15,12 +15,17 @@ a Python int, so choosing it needs ``alpha`` on the host: :meth:`DSDSelector.dra
 reads the device estimate back once every ``interval`` steps (one scalar sync, the only one) and
 in between re-optimises from that cached value for the current number of active requests, which
 is pure host arithmetic.
+
+Draft trees. The window is a depth: every active request verifies all its nodes at most that
+deep, and the estimate learns from ``accepted / deepest selected depth``, which for a chain is
+``accepted / verified``. The goodput model still prices a chain of that depth.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,6 +33,7 @@ from torch import Tensor
 from specselect._checks import check_int, check_probability
 from specselect.cost import CostModel
 from specselect.selection import Selection, Selector, available_lengths, mask_inactive
+from specselect.tree import available_nodes
 
 EMA_DECAY = 0.85  # weight of the previous estimate; the step's observation gets 1 - EMA_DECAY
 
@@ -119,6 +125,8 @@ class DSDSelector(Selector):
     """
 
     name = "dsd"
+    supports_trees = True
+    grid_extra = True
 
     def __init__(
         self,
@@ -128,6 +136,7 @@ class DSDSelector(Selector):
         alpha0: float = 0.7,
         context: float = 512.0,
     ) -> None:
+        super().__init__()
         self.max_k = check_int("max_k", max_k)
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise TypeError(
@@ -183,21 +192,46 @@ class DSDSelector(Selector):
         """The current EMA of the acceptance rate (reads the device value: a sync; diagnostics)."""
         return self.alpha0 if self._alpha is None else float(self._alpha)
 
+    def _batch_window(self, rows: int) -> int:
+        """The window of the last :meth:`draft_length`; before any, the choice for ``rows``
+        active requests."""
+        if self._window is not None:
+            return self._window
+        return best_window(self._alpha_host, rows, self.max_k, self.cost_model, self.context)
+
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
         rows, width = draft_logprobs.shape
-        window = self._window
-        if window is None:  # select before any draft_length: assume every row is active
-            window = best_window(self._alpha_host, rows, self.max_k, self.cost_model, self.context)
-        lengths = available_lengths(draft_logprobs).clamp(max=window)
+        lengths = available_lengths(draft_logprobs).clamp(max=self._batch_window(rows))
         return Selection.from_lengths(mask_inactive(lengths, active), width)
 
-    def _update(self, selection: Selection, num_accepted: Tensor) -> None:
+    def _select_tree(
+        self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor, depth: Tensor
+    ) -> Selection:
+        window = self._batch_window(draft_logprobs.shape[0])
+        available = available_nodes(draft_logprobs, parents)  # [B, N]
+        return Selection.from_mask(available & (depth <= window), active)
+
+    def _update(
+        self, selection: Selection, num_accepted: Tensor, accepted_nodes: Tensor | None
+    ) -> None:
         device = num_accepted.device
         alpha = self._alpha
         if alpha is None:
             # ``full`` fills on the device; ``torch.tensor`` would copy from the host (a sync).
             alpha = torch.full((), self.alpha0, dtype=torch.float64, device=device)
-        self._alpha = ema_step(alpha.to(device), selection.lengths.sum(), num_accepted.sum())
+        verified = self._selected_depths(selection).sum()  # tokens, for chains
+        self._alpha = ema_step(alpha.to(device), verified, num_accepted.sum())
+
+    @classmethod
+    def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any] | None:
+        """Windows up to ``k + extra``: DSD may draft as far as TETRIS does."""
+        return {"max_k": k + extra} if budget is None else None
+
+    @classmethod
+    def spec_kwargs(cls, estimator: str | None, cost_model: CostModel | None) -> dict[str, Any]:
+        """The comparison's cost model, which DSD plans its windows with."""
+        kwargs = super().spec_kwargs(estimator, cost_model)
+        return kwargs if cost_model is None else {**kwargs, "cost_model": cost_model}
 
 
 def _check_context(value: object) -> float:

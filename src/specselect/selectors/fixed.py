@@ -5,13 +5,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from specselect._checks import check_int
-from specselect.selection import (
-    Selection,
-    Selector,
-    available_lengths,
-    cheapest_per_row,
-    mask_inactive,
-)
+from specselect.selection import Selection, Selector, available_lengths, mask_inactive
+from specselect.topc import cheapest_per_row
 from specselect.tree import path_sums
 
 
@@ -27,6 +22,7 @@ class FixedWindowSelector(Selector):
     supports_trees = True
 
     def __init__(self, k: int) -> None:
+        super().__init__()
         self.k = check_int("k", k)
 
     def draft_length(self, num_active: int) -> int:
@@ -38,9 +34,7 @@ class FixedWindowSelector(Selector):
         return Selection.from_lengths(mask_inactive(lengths, active), draft_logprobs.shape[1])
 
     def _select_tree(
-        self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor
+        self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor, depth: Tensor
     ) -> Selection:
         mask = cheapest_per_row(path_sums(draft_logprobs, parents).neg(), self.k)
-        if active is not None:
-            mask = mask & active.unsqueeze(1)
-        return Selection(lengths=mask.sum(dim=1), mask=mask)
+        return Selection.from_mask(mask, active)

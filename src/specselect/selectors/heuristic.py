@@ -13,15 +13,22 @@ reads the largest window back: one small sync per step. The alternative, a host-
 bound that grows by 2 per step, reaches ``max_k`` within a few steps and then drafts ``max_k``
 tokens every step for requests whose windows are far smaller — draft passes are the dominant
 cost this selector is meant to save.
+
+Draft trees. A request's window is a depth: it verifies all its nodes at most that deep, and
+the window grows when the accepted path reaches the deepest selected node — for a chain, when
+every selected token was accepted.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from specselect._checks import check_int, check_tensor
 from specselect.selection import Selection, Selector, available_lengths, mask_inactive
+from specselect.tree import available_nodes
 
 GROW = 2  # window change after a step in which every selected token was accepted
 SHRINK = 1  # window change after a step with a rejection
@@ -30,7 +37,7 @@ FLOOR = 1  # smallest window
 
 def next_windows(
     windows: Tensor,  # [B] int64: current per-request windows
-    lengths: Tensor,  # [B] int64: tokens selected this step
+    lengths: Tensor,  # [B] int64: tokens selected this step (deepest selected node, in a tree)
     num_accepted: Tensor,  # [B] int: tokens accepted this step
     max_k: int | None,
 ) -> Tensor:
@@ -73,8 +80,11 @@ class HeuristicSelector(Selector):
     """
 
     name = "heuristic"
+    supports_trees = True
+    grid_extra = True
 
     def __init__(self, k0: int = 4, max_k: int | None = None) -> None:
+        super().__init__()
         self.k0 = check_int("k0", k0, minimum=FLOOR)
         self.max_k = None if max_k is None else check_int("max_k", max_k, minimum=FLOOR)
         if self.max_k is not None and self.max_k < self.k0:
@@ -131,10 +141,26 @@ class HeuristicSelector(Selector):
         lengths = torch.minimum(available_lengths(draft_logprobs), windows)
         return Selection.from_lengths(mask_inactive(lengths, active), draft_logprobs.shape[1])
 
-    def _update(self, selection: Selection, num_accepted: Tensor) -> None:
+    def _select_tree(
+        self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor, depth: Tensor
+    ) -> Selection:
+        windows = self._state(draft_logprobs.shape[0], draft_logprobs.device, "draft_logprobs")
+        self._active = active
+        available = available_nodes(draft_logprobs, parents)  # [B, N]
+        return Selection.from_mask(available & (depth <= windows.unsqueeze(1)), active)
+
+    def _update(
+        self, selection: Selection, num_accepted: Tensor, accepted_nodes: Tensor | None
+    ) -> None:
         lengths = selection.lengths
         windows = self._state(lengths.shape[0], lengths.device, "selection.lengths")
-        self._windows = next_windows(windows, lengths, num_accepted, self.max_k)
+        depths = self._selected_depths(selection)  # [B]
+        self._windows = next_windows(windows, depths, num_accepted, self.max_k)
+
+    @classmethod
+    def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any] | None:
+        """Windows start at ``k`` and grow up to ``k + extra``, as far as TETRIS drafts."""
+        return {"k0": k, "max_k": k + extra} if budget is None else None
 
     def _state(self, batch: int, device: torch.device, argument: str) -> Tensor:
         """The ``[batch]`` windows, created at ``k0`` on first use; a mismatch is an error."""

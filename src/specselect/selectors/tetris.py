@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from specselect._checks import check_int
+from specselect.constants import cached_constant
+from specselect.cost import CostModel
 from specselect.estimators import (
+    NO_ESTIMATOR,
     AcceptanceEstimator,
     RankingGuard,
     make_estimator,
@@ -17,11 +21,12 @@ from specselect.selection import (
     NEG_INF,
     Selection,
     Selector,
-    cached_constant,
     chain_scores,
-    cheapest_selection,
+    estimator_kwargs,
+    window_grid_kwargs,
 )
 from specselect.selectors.fixed import FixedWindowSelector
+from specselect.topc import cheapest_counts, cheapest_mask
 from specselect.tree import path_sums
 
 
@@ -59,6 +64,7 @@ class TetrisSelector(Selector):
 
     name = "tetris"
     supports_trees = True
+    grid_extra = True
 
     def __init__(
         self,
@@ -68,6 +74,7 @@ class TetrisSelector(Selector):
         estimator: AcceptanceEstimator | str | None = "history",
         guard: RankingGuard | bool = True,
     ) -> None:
+        super().__init__()
         self.k = check_int("k", k)
         self.extra = check_int("extra", extra)
         self.budget = None if budget is None else check_int("budget", budget)
@@ -87,16 +94,16 @@ class TetrisSelector(Selector):
 
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
         # Work with costs (|cumulative log q|, >= +0): abs also turns a -0.0 into +0.0, which is
-        # what lets ``cheapest_selection`` skip its sign handling.
+        # what lets ``cheapest_counts`` skip its sign handling.
         best = self._best(chain_scores(draft_logprobs).abs_(), active)
         return self._guarded(best, lambda: self._fallback._select(draft_logprobs, active))
 
     def _select_tree(
-        self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor
+        self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor, depth: Tensor
     ) -> Selection:
         best = self._best(path_sums(draft_logprobs, parents).abs_(), active)
         return self._guarded(
-            best, lambda: self._fallback._select_tree(draft_logprobs, active, parents)
+            best, lambda: self._fallback._select_tree(draft_logprobs, active, parents, depth)
         )
 
     def _guarded(self, best: Selection, fallback: Callable[[], Selection]) -> Selection:
@@ -111,8 +118,9 @@ class TetrisSelector(Selector):
         standard = fallback().mask
         if self.budget is not None:
             standard = _trim(standard, self.budget)
-        mask = torch.where(self.guard.trusted(best.mask.device), best.mask, standard)
-        return Selection(lengths=mask.sum(dim=1), mask=mask)
+        return Selection.from_mask(
+            torch.where(self.guard.trusted(best.mask.device), best.mask, standard)
+        )
 
     def _best(self, costs: Tensor, active: Tensor | None) -> Selection:
         """The ``C`` cheapest entries of ``costs`` (``[B, K]``, >= +0), as a selection."""
@@ -121,11 +129,26 @@ class TetrisSelector(Selector):
         if active is not None:
             pad = min(self.k, width) if self.budget is None else 0
             costs = _absorb_inactive(costs, active, pad)
-        return cheapest_selection(costs, budget, nonnegative=True, keep=active)
+        mask, counts = cheapest_counts(costs, budget, nonnegative=True, keep=active)
+        return Selection(lengths=counts, mask=mask)
 
-    def _update(self, selection: Selection, num_accepted: Tensor) -> None:
+    def _update(
+        self, selection: Selection, num_accepted: Tensor, accepted_nodes: Tensor | None
+    ) -> None:
         if self.guard is not None and self.last_scores is not None:
-            self.guard.observe(self.last_scores, *self.outcomes(selection, num_accepted))
+            outcomes = self.outcomes(selection, num_accepted, accepted_nodes)
+            self.guard.observe(self.last_scores, *outcomes)
+
+    @classmethod
+    def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any]:
+        return window_grid_kwargs(k, extra, budget)
+
+    @classmethod
+    def spec_kwargs(cls, estimator: str | None, cost_model: CostModel | None) -> dict[str, Any]:
+        """The spec's estimator; ``"tetris+none"`` is the paper's TETRIS: no estimator and no
+        ranking guard."""
+        guard = {"guard": False} if estimator == NO_ESTIMATOR else {}
+        return {**estimator_kwargs(estimator), **guard}
 
 
 def _trim(mask: Tensor, budget: int) -> Tensor:
@@ -137,7 +160,7 @@ def _trim(mask: Tensor, budget: int) -> Tensor:
     key = ("columns_f32", mask.shape[1], mask.device)
     columns = cached_constant(key, _float_columns)  # [1, N]
     costs = torch.where(mask, columns, float("inf"))
-    return cheapest_selection(costs, budget, nonnegative=True).mask
+    return cheapest_mask(costs, budget, nonnegative=True)
 
 
 def _float_columns(width: int, device: torch.device) -> Tensor:

@@ -1,0 +1,87 @@
+"""Selector specs and the registry: the one parser of ``NAME+ESTIMATOR``, and the class-level
+hooks through which comparison grids build every registered selector."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from specselect.cost import CostModel
+from specselect.estimators import ESTIMATORS, NO_ESTIMATOR
+from specselect.registry import SelectorSpec, parse_spec, spec_estimators
+from specselect.selectors import SELECTORS
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("fixed", SelectorSpec("fixed", None)),
+        ("tetris+none", SelectorSpec("tetris", NO_ESTIMATOR)),
+        ("tetris+calibrated", SelectorSpec("tetris", "calibrated")),
+        ("oracle", SelectorSpec("oracle", None)),  # names are the caller's to check
+    ],
+)
+def test_parse_spec(spec: str, expected: SelectorSpec) -> None:
+    assert parse_spec(spec) == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "match"),
+    [
+        ("", ValueError, "needs a selector name"),
+        ("tetris+", ValueError, "'tetris\\+' needs a selector name and an estimator around"),
+        ("+history", ValueError, "around '\\+'"),
+        ("tetris+magic", ValueError, "unknown estimator 'magic'; expected one of none, "),
+        ("tetris+history+draft", ValueError, "unknown estimator 'history\\+draft'"),
+        (None, TypeError, "must be a str"),
+    ],
+)
+def test_parse_spec_rejects(spec: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        parse_spec(spec)  # type: ignore[arg-type]
+
+
+def test_spec_estimators_are_none_and_the_registry() -> None:
+    assert spec_estimators() == [NO_ESTIMATOR, *sorted(ESTIMATORS)]
+
+
+GRID_POINTS = list(itertools.product((1, 3), (0, 2), (None, 5)))
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_grid_kwargs_build_the_selector(name: str) -> None:
+    """At every grid point a selector's hook names its own constructor arguments (or declines a
+    fixed budget it has no parameter for), and ``grid_extra`` says whether they depend on
+    ``extra``: what a grid labels and repeats."""
+    cls = SELECTORS[name]
+    for k, extra, budget in GRID_POINTS:
+        kwargs = cls.grid_kwargs(k, extra, budget)
+        if kwargs is None:
+            assert budget is not None, f"{name} has no configuration at k={k}, extra={extra}"
+            continue
+        selector = cls(**kwargs, **cls.spec_kwargs(None, CostModel()))
+        assert selector.draft_length(4) <= k + extra
+    depends_on_extra = cls.grid_kwargs(2, 0, None) != cls.grid_kwargs(2, 1, None)
+    assert depends_on_extra == cls.grid_extra
+
+
+TAKE_AN_ESTIMATOR = {"tetris", "threshold"}
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_spec_kwargs_take_estimators_where_the_selector_has_one(name: str) -> None:
+    cls = SELECTORS[name]
+    kwargs = cls.grid_kwargs(2, 1, None)
+    assert kwargs is not None
+    for estimator in spec_estimators():
+        if name not in TAKE_AN_ESTIMATOR:
+            with pytest.raises(ValueError, match=f"'{name}' takes no estimator"):
+                cls.spec_kwargs(estimator, None)
+            continue
+        selector = cls(**kwargs, **cls.spec_kwargs(estimator, None))
+        if estimator == NO_ESTIMATOR:
+            assert selector.estimator is None
+            assert getattr(selector, "guard", None) is None  # tetris+none: the paper, no guard
+        else:
+            assert selector.estimator is not None and selector.estimator.name == estimator
