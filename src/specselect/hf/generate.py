@@ -43,6 +43,7 @@ shares every other cost.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +58,7 @@ from specselect.hf.compat import ModelHandle, check_context_fits, check_pair, gr
 from specselect.hf.draft import ChainDrafter
 from specselect.hf.graphs import Mode, StageRunner, bucket_for, emulating_on_cpu
 from specselect.hf.options import UNSET, GenerationOptions, resolve_options
-from specselect.hf.state import GenerationState, GenerationStats, PhaseClock
+from specselect.hf.state import GenerationState, GenerationStats, Layout, PhaseClock
 from specselect.hf.steps import ChainStep, Step, TreeStep
 from specselect.hf.tree_draft import TreeDrafter, TreeSpec
 from specselect.metrics import Totals
@@ -65,6 +66,9 @@ from specselect.sampling import check_generator
 from specselect.selection import Selector
 
 _REGISTER = "register_generator_state"
+
+#: Host reads (syncs on an accelerator) per step of the loop itself: the read-back.
+HOST_READS_PER_STEP = 1
 
 #: Default cache columns per row beyond prompt + max_new_tokens (holes between compactions).
 DEFAULT_CACHE_SLACK = 64
@@ -137,9 +141,9 @@ def speculative_generate(
             ``len()`` is the shared vocabulary both must cover.
         cache_slack: cache columns per row beyond ``prompt + max_new_tokens``; the caches are
             compacted when a step would not fit, so more slack means fewer compactions.
-        tree: draft a tree per row instead of a chain (:class:`~specselect.hf.TreeSpec`); the
-            selector must support trees (``supports_trees``), and its budget counts tree nodes
-            (the root excluded).
+        tree: draft a tree per row instead of a chain (:class:`~specselect.hf.TreeSpec`), at
+            most ``selector.draft_length()`` deep; the selector must support trees
+            (``supports_trees``), and its budget counts tree nodes (the root excluded).
         cuda_graphs: capture the draft and verify passes in CUDA graphs and replay them.
             ``None`` (default): when both models sit on one CUDA device each; ``True``: required
             (raises, saying why, where impossible); ``False``: eager.
@@ -227,9 +231,10 @@ def graph_mode(
 def check_tree_mode(tree: object, selector: Selector | None) -> None:
     """Raise unless ``tree`` is ``None`` or a :class:`TreeSpec` that ``selector`` can serve.
 
-    Tree mode ranks draft-tree nodes, which only selectors with ``supports_trees`` can do;
-    acceptance estimators and the ranking guard learn from the accepted path, which the loop
-    passes to ``selector.update(..., accepted_nodes=...)``.
+    Tree mode ranks draft-tree nodes, which selectors with ``supports_trees`` do (every
+    registered one); they learn from the accepted path, which the loop passes to
+    ``selector.update(..., accepted_nodes=...)``. ``selector.draft_length()`` caps the depth of
+    each step's trees.
     """
     if tree is None:
         return
@@ -240,8 +245,8 @@ def check_tree_mode(tree: object, selector: Selector | None) -> None:
     if not selector.supports_trees:
         raise TypeError(
             f"tree mode needs a selector that selects draft-tree nodes; "
-            f"{type(selector).__name__} does not (supports_trees is False): use 'tetris' or "
-            "'fixed'"
+            f"{type(selector).__name__} does not (supports_trees is False); every registered "
+            "selector does (specselect.available_selectors())"
         )
 
 
@@ -320,6 +325,31 @@ def split_generator(
     return result
 
 
+@dataclass
+class _Workspace:
+    """A generation state and its captured graphs, kept on the target for the next call."""
+
+    key: tuple[Any, ...]  # what the captured code depends on besides the layout
+    draft: weakref.ReferenceType[torch.nn.Module] | None
+    state: GenerationState
+    runner: StageRunner
+
+
+#: Graph-mode workspaces by target model (one each): captures are costly, so a later call of the
+#: same shape replays them. Eager mode allocates per call and keeps nothing.
+_WORKSPACES: weakref.WeakKeyDictionary[torch.nn.Module, _Workspace] = weakref.WeakKeyDictionary()
+
+
+def release_workspace(target: torch.nn.Module) -> None:
+    """Free the caches, buffers and CUDA graphs kept for ``target`` by graph-mode calls.
+
+    ``speculative_generate(..., cuda_graphs=...)`` keeps them so that the next call of a
+    compatible shape replays its graphs instead of capturing them again; they are also freed
+    when ``target`` is, or replaced by an incompatible call.
+    """
+    _WORKSPACES.pop(target, None)
+
+
 class _Loop:
     """One generation: setup, the prefill, and one step after another."""
 
@@ -339,42 +369,67 @@ class _Loop:
         self.slack, self.tree, self.mode = cache_slack, tree, mode
 
     def run(self, input_ids: Tensor, attention_mask: Tensor, progress: bool) -> SpeculativeOutput:
-        state, step = self._setup(input_ids)
+        state, runner = self._workspace(input_ids)
+        captured = runner.captures
+        state.start(self.options, input_ids.shape[0])
+        clock = PhaseClock(self.target.device, phases=3)
+        generator = self.generators[self.target.device]
+        args = (state, runner, self.selector, self.options.sampling, generator, clock)
+        step = ChainStep(*args) if self.tree is None else TreeStep(*args, tree=self.tree)
         if self.options.max_new_tokens > 0:
             start = time.perf_counter()
             self._prefill(state, input_ids, attention_mask)
             state.stats.prefill_seconds = time.perf_counter() - start
             self._steps(state, step, progress)
         stats = state.stats
-        stats.draft_seconds, stats.select_seconds, stats.verify_seconds = step.clock.totals()
-        stats.captures, stats.mode = step.runner.captures, self.mode
+        stats.draft_seconds, stats.select_seconds, stats.verify_seconds = clock.totals()
+        stats.captures, stats.mode = runner.captures - captured, self.mode
         return SpeculativeOutput(state.result(input_ids), stats)
 
-    def _setup(self, input_ids: Tensor) -> tuple[GenerationState, Step]:
-        """The state (caches sized for the whole call) and the step strategy."""
+    def _workspace(self, input_ids: Tensor) -> tuple[GenerationState, StageRunner]:
+        """The state (caches sized for the whole call) and the stage runner: the target's kept
+        workspace when it serves this call (graph mode), else new ones."""
         batch, prompt = input_ids.shape
         graphs = self.mode != "eager"
-        slots = bucket_for(batch, graphs)
         capacity = prompt + self.options.max_new_tokens + self.slack
         if self.tree is not None:  # a step's tree must fit beside a full row
             capacity += self.tree.num_nodes + self.tree.fed_nodes() + 2
-        drafter = self._drafter(slots, capacity)
-        state = GenerationState(self.target, self.options, batch, slots, capacity, drafter, graphs)
+        layout = Layout(
+            slots=max(bucket_for(batch, graphs), 1),
+            capacity=capacity,
+            batch=batch,
+            max_new_tokens=self.options.max_new_tokens,
+            eos=len(self.options.eos_token_ids),
+        )
+        key = (
+            self.mode,
+            self.tree,
+            self.options.sampling,
+            *(id(g) for g in self.generators.values()),
+        )
+        draft = None if self.draft is None else self.draft.model
+        kept = _WORKSPACES.get(self.target.model) if graphs else None
+        if (
+            kept is not None
+            and kept.key == key
+            and (kept.draft() if kept.draft is not None else None) is draft
+            and kept.state.layout.serves(layout)
+        ):
+            return kept.state, kept.runner
+        _WORKSPACES.pop(self.target.model, None)  # free the old buffers before allocating
+        state = GenerationState(self.target, self._drafter(layout), layout, graphs)
         runner = StageRunner(self.mode, list(self.generators.values()))
-        clock = PhaseClock(self.target.device, phases=3)
-        generator = self.generators[self.target.device]
-        params = self.options.sampling
-        if self.tree is None:
-            step: Step = ChainStep(state, runner, self.selector, params, generator, clock)
-        else:
-            step = TreeStep(state, runner, self.selector, params, generator, clock, tree=self.tree)
-        return state, step
+        if graphs:
+            draft_ref = None if draft is None else weakref.ref(draft)
+            _WORKSPACES[self.target.model] = _Workspace(key, draft_ref, state, runner)
+        return state, runner
 
-    def _drafter(self, slots: int, capacity: int) -> ChainDrafter | None:
+    def _drafter(self, layout: Layout) -> ChainDrafter | None:
         if self.draft is None:
             return None
         generator = self.generators[self.draft.device]
-        args = (self.draft, slots, capacity, self.target.vocab, self.options.sampling, generator)
+        vocab, params = self.target.vocab, self.options.sampling
+        args = (self.draft, layout.slots, layout.capacity, vocab, params, generator)
         if self.tree is None:
             return ChainDrafter(*args)
         return TreeDrafter(*args, sampled_children=self.tree.sampled_children)
@@ -384,8 +439,8 @@ class _Loop:
 
         Slots beyond the caller's rows (padding up to a graph bucket) get empty prompts.
         """
-        batch, slots = state.batch, state.slots
-        pad = slots - batch
+        batch, size = state.batch, state.size
+        pad = size - batch
         ids = torch.cat([input_ids, input_ids.new_zeros(pad, input_ids.shape[1])])
         mask = torch.cat([attention_mask, attention_mask.new_zeros(pad, input_ids.shape[1])])
         context, valid = ids[:, :-1], mask[:, :-1].bool()
@@ -394,7 +449,7 @@ class _Loop:
             state.target.reserve(context.shape[1])
             state.target.forward(context, valid, last_only=True)
             state.target.commit(valid)
-        state.pending[:slots] = ids[:, -1]
+        state.pending[:size] = ids[:, -1]
         counts = valid.sum(dim=1).tolist()  # setup read: the rows' lengths
         state.counts = (counts, counts)
         if state.drafter is not None:
@@ -416,8 +471,10 @@ class _Loop:
 
 __all__ = [
     "DEFAULT_CACHE_SLACK",
+    "HOST_READS_PER_STEP",
     "GenerationStats",
     "SpeculativeOutput",
     "TreeSpec",
+    "release_workspace",
     "speculative_generate",
 ]

@@ -97,7 +97,10 @@ class StageRunner:
         if graph is not None:
             graph.replay() if self.mode == "cuda" else graph()
             return
-        self._graphs[key] = self._capture_cuda(stage) if self.mode == "cuda" else _trace(stage)
+        if self.mode == "cuda":
+            self._graphs[key] = self._capture_cuda(stage)
+        else:
+            self._graphs[key] = _trace(stage, self.generators)
         self.captures += 1
 
     def clear(self) -> None:
@@ -120,15 +123,29 @@ class StageRunner:
         return graph
 
 
-def _trace(stage: Callable[[], None]) -> torch.fx.GraphModule:
-    """Trace ``stage`` with ``make_fx`` (running it for real), forbidding host reads inside."""
+def _trace(
+    stage: Callable[[], None], generators: Sequence[torch.Generator]
+) -> torch.fx.GraphModule:
+    """Trace ``stage`` with ``make_fx`` (running it for real), forbidding host reads inside.
+
+    ``make_fx`` stores a *copy* of each generator a stage draws from; the copies are swapped
+    for the originals, so replays draw from the caller's generators, as registered generators
+    do in CUDA graphs.
+    """
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def checked() -> None:
         with HostReads(forbid=True, forbid_host_tensors=True):
             stage()
 
-    return make_fx(checked)()
+    graph = make_fx(checked)()
+    for name, value in list(vars(graph).items()):
+        if isinstance(value, torch.Generator):
+            state = value.get_state()
+            original = next((g for g in generators if torch.equal(g.get_state(), state)), None)
+            if original is not None:
+                setattr(graph, name, original)
+    return graph
 
 
 # Ops that read device data on the host, or whose output shape depends on data (which on an
@@ -161,7 +178,7 @@ class HostReads(TorchDispatchMode):
         forbid: raise ``RuntimeError`` at the first read instead of counting it.
         forbid_host_tensors: also raise when a tensor is made from host data
             (``torch.tensor(list)``): inside a CUDA graph that is a copy from pageable memory,
-            which cannot be captured.
+            which cannot be captured. Python scalars (``x[i] = 1``) are fine.
     """
 
     def __init__(self, forbid: bool = False, forbid_host_tensors: bool = False) -> None:
@@ -208,7 +225,8 @@ class HostReads(TorchDispatchMode):
         name = func._schema.name
         if name in _READ_OPS or (name in _INDEX_OPS and _has_bool_index(args)):
             self._read(name)
-        if self.forbid_host_tensors and name == "aten::lift_fresh":
+        # A 0-dim lift is a Python scalar (``x[i] = 1``), which a CUDA tensor takes as a fill.
+        if self.forbid_host_tensors and name == "aten::lift_fresh" and args[0].dim():
             raise RuntimeError(
                 "a tensor made from host data inside a captured stage: a CUDA graph would copy "
                 "from pageable host memory; build it with device ops"

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from specselect.hf.compat import ModelHandle
-from specselect.hf.draft import ChainDrafter
+from specselect.hf.draft import ChainDrafter, SamplingParams
 from specselect.hf.graphs import bucket_for
 from specselect.hf.kv import ModelCache
 from specselect.hf.options import GenerationOptions
@@ -108,7 +109,11 @@ class Buffers:
         key = (name, shape, dtype)
         tensor = self._store.get(key)
         if tensor is None:
-            tensor = self._store[key] = torch.zeros(shape, dtype=dtype, device=self.device)
+            # Allocated outside any tracing mode: the buffer must outlive the stage that first
+            # asks for it, not become an op of its trace.
+            with _disable_current_modes():
+                tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+            self._store[key] = tensor
         return tensor
 
 
@@ -154,65 +159,96 @@ class PhaseClock:
         return list(self._sums)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What a :class:`GenerationState` is allocated for; a later call that needs no more (and
+    not much less: attention spans the whole capacity) can reuse it, captured graphs included."""
+
+    slots: int  # rows of every per-slot buffer and cache
+    capacity: int  # cache columns per row
+    batch: int  # caller rows the output buffer holds
+    max_new_tokens: int  # output columns (plus a scratch column)
+    eos: int  # EOS ids (their number is part of the captured code)
+
+    def serves(self, need: Layout) -> bool:
+        """Whether buffers allocated for ``self`` can serve a call that needs ``need``."""
+        return (
+            self.slots >= need.slots
+            and need.capacity <= self.capacity <= 2 * need.capacity
+            and self.batch >= need.batch
+            and self.max_new_tokens >= need.max_new_tokens
+            and self.eos == need.eos
+        )
+
+
 class GenerationState:
-    """Everything one generation holds (see the module doc).
+    """Everything a generation holds (see the module doc): buffers allocated once for a
+    :class:`Layout`, and per-call state set by :meth:`start`.
 
     Args:
         target: the checked target model.
-        options: resolved generation options.
-        batch: ``B``, the caller's rows.
-        slots: slots allocated (the first bucket, ``>= batch``).
-        capacity: columns per row in each model's cache.
         drafter: the draft side, or ``None`` for plain decoding.
+        layout: what to allocate for.
         graphs: whether buckets are graph buckets (padded) rather than exact batch sizes.
     """
 
     def __init__(
-        self,
-        target: ModelHandle,
-        options: GenerationOptions,
-        batch: int,
-        slots: int,
-        capacity: int,
-        drafter: ChainDrafter | None,
-        graphs: bool,
+        self, target: ModelHandle, drafter: ChainDrafter | None, layout: Layout, graphs: bool
     ) -> None:
         device = target.device
-        self.device = device
-        self.options = options
-        self.batch, self.slots, self.graphs = batch, slots, graphs
-        self.target = ModelCache(target, slots, capacity)
+        self.device, self.layout, self.graphs = device, layout, graphs
+        slots = self.slots = layout.slots
+        self.target = ModelCache(target, slots, layout.capacity)
         self.drafter = drafter
         self.io = Buffers(device)
-        self.stats = GenerationStats()
-        max_new = options.max_new_tokens
-        # Output: one scratch row (B) for inactive slots and one scratch column (max_new_tokens)
-        # for tokens that are not written.
-        self.out = torch.full(
-            (batch + 1, max_new + 1), options.pad_token_id, dtype=torch.int64, device=device
+        # Output: rows beyond the call's batch take the tokens of inactive slots, and the last
+        # column the tokens that are not written.
+        self.out = torch.zeros(
+            layout.batch + 1, layout.max_new_tokens + 1, dtype=torch.int64, device=device
         )
-        self.max_new = torch.tensor(max_new, dtype=torch.int64, device=device)
-        self.eos = torch.tensor(options.eos_token_ids, dtype=torch.int64, device=device)
-        # Per slot (device): the caller row it serves (B = scratch), whether it is active, its
+        self.max_new = torch.zeros((), dtype=torch.int64, device=device)
+        self.eos = torch.zeros(layout.eos, dtype=torch.int64, device=device)
+        # Per slot (device): the caller row it serves (>= B: none), whether it is active, its
         # new tokens so far, and the token both models have yet to consume.
-        self.rows = torch.full((slots,), batch, dtype=torch.int64, device=device)
-        self.rows[:batch] = torch.arange(batch, device=device)
+        self.rows = torch.zeros(slots, dtype=torch.int64, device=device)
         self.active = torch.zeros(slots, dtype=torch.bool, device=device)
-        self.active[:batch] = True
         self.generated = torch.zeros(slots, dtype=torch.int64, device=device)
         self.pending = torch.zeros(slots, dtype=torch.int64, device=device)
-        # Host mirrors.
-        self.size = slots  # slots in use (the current bucket)
-        self.slot_rows = [*range(batch), *([-1] * (slots - batch))]  # caller row or -1
-        self.generated_host = [0] * batch  # per caller row
-        self.counts: tuple[list[int], list[int]] = ([0] * slots, [0] * slots)  # target, draft
-        self.per_row = {name: [0] * batch for name in ("verified", "accepted", "emitted", "steps")}
         self.report_host = (
             torch.zeros(REPORT_ROWS, slots, dtype=torch.int64).pin_memory()
             if device.type == "cuda"
             else None
         )
         self.done = torch.cuda.Event() if device.type == "cuda" else None
+        # Per call (set by start): the options, the caller's rows, the slots in use and the
+        # host mirrors, kept exact from the steps' read-backs.
+        self.options = GenerationOptions(0, SamplingParams(), (), 0)
+        self.batch = self.size = 0
+        self.stats = GenerationStats()
+        self.slot_rows: list[int] = []  # per slot: caller row, or -1 (inactive)
+        self.generated_host: list[int] = []  # per caller row
+        self.counts: tuple[list[int], list[int]] = ([], [])  # per slot: target, draft count
+        self.per_row: dict[str, list[int]] = {}  # per caller row: verified, accepted, ...
+
+    def start(self, options: GenerationOptions, batch: int) -> None:
+        """Begin a generation of ``batch`` rows: reset the per-call state (buffers stay)."""
+        device = self.device
+        self.options, self.batch = options, batch
+        self.stats = GenerationStats()
+        self.out.fill_(options.pad_token_id)
+        self.max_new.fill_(options.max_new_tokens)
+        self.eos.copy_(torch.tensor(options.eos_token_ids, dtype=torch.int64))
+        size = self.size = max(bucket_for(batch, self.graphs), 1)  # slots in use (the bucket)
+        self.rows.fill_(batch)
+        self.rows[:batch] = torch.arange(batch, device=device)
+        self.active.zero_()
+        self.active[:batch] = True
+        self.generated.zero_()
+        self.pending.zero_()
+        self.slot_rows = [*range(batch), *([-1] * (size - batch))]
+        self.generated_host = [0] * batch
+        self.counts = ([0] * size, [0] * size)
+        self.per_row = {name: [0] * batch for name in ("verified", "accepted", "emitted", "steps")}
 
     # ------------------------------------------------------------------ host-side facts
     def caches(self) -> list[ModelCache]:
@@ -422,4 +458,4 @@ class GenerationState:
         return torch.cat([input_ids, self.out[: self.batch, :new]], dim=1)
 
 
-__all__ = ["REPORT_ROWS", "Buffers", "GenerationState", "GenerationStats", "PhaseClock"]
+__all__ = ["REPORT_ROWS", "Buffers", "GenerationState", "GenerationStats", "Layout", "PhaseClock"]

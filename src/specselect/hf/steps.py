@@ -273,7 +273,12 @@ class TreeStep(Step):
 
     def plan(self) -> Plan:
         drafter = self._drafter()
-        depth = min(self.tree.depth, self.state.most_remaining - 1)  # deeper: unemittable
+        state = self.state
+        assert self.selector is not None
+        # The selector's draft length caps the depth (no selector verifies deeper than it
+        # drafts a chain); deeper nodes than a row's remaining tokens are unemittable.
+        window = check_int("selector.draft_length()", self.selector.draft_length(state.num_active))
+        depth = min(self.tree.depth, window, state.most_remaining - 1)
         key = ("tree", depth, drafter.width)
         if depth == 0:  # no row can emit a draft token: a plain step
             return Plan(0, 1, 0, key)

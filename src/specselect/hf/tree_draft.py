@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from specselect._checks import check_int
@@ -319,7 +318,9 @@ def _inherit_ancestors(
     nodes = strict.shape[1]
     safe = parent.clamp(min=0)
     inherited = strict.gather(1, safe.unsqueeze(2).expand(-1, -1, nodes))  # [B, S, N]
-    itself = F.one_hot(safe, nodes).bool() & (parent >= 0).unsqueeze(2)
+    # A comparison, not F.one_hot: one_hot checks its values on the host (a sync).
+    ids = torch.arange(nodes, device=parent.device)
+    itself = (safe.unsqueeze(2) == ids) & (parent >= 0).unsqueeze(2)
     strict = strict.clone()
     strict[:, offset : offset + parent.shape[1]] = (inherited | itself) & (parent >= 0).unsqueeze(2)
     return strict
