@@ -216,6 +216,23 @@ def test_caller_config_is_merged_with_the_model_config() -> None:
     assert torch.equal(out.sequences, reference)
 
 
+def test_explicit_eos_none_means_no_eos_as_in_generate() -> None:
+    """generate(eos_token_id=None) ignores the configs' EOS; so must speculative_generate, while
+    leaving the argument out uses the configs' EOS in both."""
+    target, draft, ids, mask, eos, reference = case("llama", 0)
+    target, draft = copy.deepcopy(target), copy.deepcopy(draft)
+    for model in (target, draft):
+        model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=PAD_ID)
+    kwargs = {"selector": build_selector("fixed"), "max_new_tokens": MAX_NEW}
+    no_eos = target.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=None)
+    assert not torch.equal(no_eos, reference)  # the EOS really stops rows
+    ours = speculative_generate(target, draft, ids, mask, eos_token_id=None, **kwargs)
+    assert torch.equal(ours.sequences, no_eos)
+    assert torch.equal(
+        speculative_generate(target, draft, ids, mask, **kwargs).sequences, reference
+    )
+
+
 @pytest.mark.parametrize("pad_is_eos", [False, True])
 def test_missing_mask_is_inferred_like_generate(pad_is_eos: bool) -> None:
     """Without attention_mask, generate() masks the pad tokens when the pad id is set and is not

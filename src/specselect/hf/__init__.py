@@ -11,12 +11,14 @@ from specselect.hf.draft import ChainDrafter, DraftChain, SamplingParams
 from specselect.hf.generate import (
     DEFAULT_CACHE_SLACK,
     SpeculativeOutput,
+    release_workspace,
     speculative_generate,
 )
 from specselect.hf.graphs import HostReads, emulate_on_cpu
 from specselect.hf.kv import ModelCache
 from specselect.hf.state import GenerationStats
-from specselect.hf.tree_draft import DraftTree, TreeDrafter, TreeSpec
+from specselect.hf.tree_draft import DraftTree, TreeDrafter
+from specselect.tree import TreeSpec
 
 __all__ = [
     "DEFAULT_CACHE_SLACK",
@@ -35,5 +37,6 @@ __all__ = [
     "check_causal_lm",
     "check_pair",
     "emulate_on_cpu",
+    "release_workspace",
     "speculative_generate",
 ]

@@ -60,10 +60,11 @@ from specselect.hf.graphs import Mode, StageRunner, bucket_for, emulating_on_cpu
 from specselect.hf.options import UNSET, GenerationOptions, resolve_options
 from specselect.hf.state import GenerationState, GenerationStats, Layout, PhaseClock
 from specselect.hf.steps import ChainStep, Step, TreeStep
-from specselect.hf.tree_draft import TreeDrafter, TreeSpec
+from specselect.hf.tree_draft import TreeDrafter
 from specselect.metrics import Totals
 from specselect.sampling import check_generator
 from specselect.selection import Selector
+from specselect.tree import TreeSpec
 
 _REGISTER = "register_generator_state"
 
@@ -141,7 +142,7 @@ def speculative_generate(
             ``len()`` is the shared vocabulary both must cover.
         cache_slack: cache columns per row beyond ``prompt + max_new_tokens``; the caches are
             compacted when a step would not fit, so more slack means fewer compactions.
-        tree: draft a tree per row instead of a chain (:class:`~specselect.hf.TreeSpec`), at
+        tree: draft a tree per row instead of a chain (:class:`~specselect.TreeSpec`), at
             most ``selector.draft_length()`` deep; the selector must support trees
             (``supports_trees``), and its budget counts tree nodes (the root excluded).
         cuda_graphs: capture the draft and verify passes in CUDA graphs and replay them.

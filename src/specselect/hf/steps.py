@@ -35,10 +35,10 @@ from specselect._checks import check_int
 from specselect.hf.draft import ChainDrafter, DraftChain, SamplingParams
 from specselect.hf.graphs import StageRunner
 from specselect.hf.state import GenerationState, PhaseClock
-from specselect.hf.tree_draft import DraftTree, TreeDrafter, TreeSpec
+from specselect.hf.tree_draft import DraftTree, TreeDrafter
 from specselect.scores import causal_logprobs, expected_self_logprob
 from specselect.selection import NEG_INF, Selection, Selector, available_lengths, prefix_mask
-from specselect.tree import TreeBuffers, build_tree_buffers, path_sums
+from specselect.tree import TreeBuffers, TreeSpec, build_tree_buffers, path_sums
 from specselect.verify import greedy_verify, rejection_verify
 from specselect.verify_tree import TreeVerdict, tree_greedy_verify, tree_rejection_verify
 

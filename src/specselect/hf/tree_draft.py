@@ -30,58 +30,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specselect._checks import check_int
 from specselect.hf.compat import ModelHandle
 from specselect.hf.draft import ChainDrafter, SamplingParams, align_vocab, move
 from specselect.sampling import sample_from
 from specselect.scores import causal_logprobs, expected_self_logprob
-from specselect.tree import path_sums
-
-
-@dataclass(frozen=True)
-class TreeSpec:
-    """Shape of the draft tree of every row (see the module docstring).
-
-    Args:
-        depth: levels below the root (draft passes per step).
-        branch: children per expanded node.
-        width: frontier nodes expanded per level (levels 2..depth).
-        sampled_children: when sampling, draw each node's children independently from ``q``
-            (SpecInfer-style multi-candidate verification); ``False`` takes the top-``branch``
-            tokens of ``q`` instead (deterministic children, verified by recursive rejection).
-            Greedy decoding always uses the top-``branch`` tokens.
-    """
-
-    depth: int
-    branch: int
-    width: int
-    sampled_children: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("depth", "branch", "width"):
-            check_int(f"TreeSpec.{name}", getattr(self, name), minimum=1)
-        if not isinstance(self.sampled_children, bool):
-            raise TypeError(
-                "TreeSpec.sampled_children must be a bool, "
-                f"got {type(self.sampled_children).__name__}"
-            )
-
-    def level_sizes(self, depth: int | None = None) -> tuple[int, ...]:
-        """Nodes per level for the first ``depth`` levels (default: all of them)."""
-        sizes = [self.branch]
-        for _ in range(1, self.depth if depth is None else depth):
-            sizes.append(min(self.width, sizes[-1]) * self.branch)
-        return tuple(sizes[: self.depth if depth is None else depth])
-
-    @property
-    def num_nodes(self) -> int:
-        """``N``: nodes per row (the root excluded)."""
-        return sum(self.level_sizes())
-
-    def fed_nodes(self, depth: int | None = None) -> int:
-        """Frontier nodes fed to the draft in one step of the first ``depth`` levels."""
-        sizes = self.level_sizes(depth)
-        return sum(min(self.width, size) for size in sizes[:-1])
+from specselect.tree import TreeSpec, path_sums
 
 
 @dataclass(frozen=True)
