@@ -48,7 +48,8 @@ def python_blocks(path: Path) -> list[Block]:
         marker = NO_RUN.search(previous)
         reason = (marker.group(1) or "marked no-run") if marker else None
         code = "\n".join(expand_snippet(line) for line in lines[start + 1 : end])
-        blocks.append(Block(f"{path.relative_to(ROOT)}:{start + 1}", code, reason))
+        where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        blocks.append(Block(f"{where}:{start + 1}", code, reason))
         index = end + 1
     return blocks
 
@@ -74,9 +75,39 @@ def test_the_docs_have_python_blocks() -> None:
     assert any("import" in block.code for block in BLOCKS)
 
 
+def test_no_run_marker_and_snippets(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "<!-- no-run: needs a GPU -->\n```python\nimport cuda_only\n```\n\n"
+        '```python\n--8<-- "examples/custom_loop.py:3:5"\n```\n',
+        encoding="utf-8",
+    )
+    marked, included = python_blocks(doc)
+    assert marked.no_run == "needs a GPU"
+    assert included.no_run is None
+    assert included.code == "import torch\n\nfrom specselect import TetrisSelector"
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.where for block in BLOCKS])
 def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if block.no_run is not None:
         pytest.skip(f"marked <!-- no-run --> in the doc: {block.no_run}")
     monkeypatch.chdir(tmp_path)  # blocks that write files write them here
     exec(compile(block.code, block.where, "exec"), {"__name__": "__doc_block__"})
+
+
+def test_readme_table_excerpt_has_the_real_header() -> None:
+    """The README's excerpt of ``specselect compare``'s table starts with the header (and rule)
+    that the table of a default run has."""
+    from specselect.cli import default_selectors
+    from specselect.metrics import Totals
+    from specselect.replay import ResultRow, SelectorConfig
+    from specselect.report import format_table
+
+    names = ["fixed", *default_selectors(), "oracle"]
+    totals = Totals(steps=4, active=8, verified=16, accepted=8, emitted=16, seconds=1.0)
+    rows = [ResultRow(SelectorConfig(name, 3, 2, None, {}), totals) for name in names]
+    header, rule, *_ = format_table(rows).splitlines()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    excerpt = readme.split("```text\n", 1)[1].splitlines()
+    assert excerpt[:2] == [header, rule]
