@@ -275,8 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_tree_spec,
         default=None,
         metavar="DEPTH,BRANCH,WIDTH",
-        help="live mode only: also run every tree-capable selector (tetris, fixed) with a draft "
-        "tree of this shape per request, at the same budget, next to its chain rows "
+        help="live mode only: also run every selector (the oracle aside: it is replayed) with a "
+        "draft tree of this shape per request, at the same budget, next to its chain rows "
         "(default: chains only)",
     )
     run.add_argument(
