@@ -16,10 +16,23 @@ from pathlib import Path
 import pytest
 import torch
 
+import specselect
+from specselect import cli
 from specselect.cli import default_selectors, main, read_prompts
 from specselect.cost import CostModel
 from specselect.metrics import Totals
-from specselect.replay import OracleSelector, load_traces, replay, save_traces, selector_grid
+from specselect.replay import (
+    OracleSelector,
+    SelectorConfig,
+    TraceMismatchError,
+    check_trace_models,
+    check_trace_prompts,
+    check_trace_shape,
+    load_traces,
+    replay,
+    save_traces,
+    selector_grid,
+)
 from specselect.report import ResultRow, format_table, markdown_table, results_json
 from specselect.selectors import SELECTORS
 from test_replay import build_tiny_pair
@@ -105,6 +118,7 @@ def compare_run(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFa
 
 def test_compare_writes_table_json_report_and_plots(compare_run: dict) -> None:
     assert compare_run["code"] == 0, compare_run["stderr"]
+    assert compare_run["stderr"] == ""  # --quiet: not even transformers' "Loading weights"
     out: Path = compare_run["out"]
     table = compare_run["stdout"]
     for name in [*SELECTORS, "oracle"]:
@@ -372,8 +386,7 @@ def test_bad_input_exits_2_without_traceback(
     assert message in stderr
     assert "Traceback" not in stderr + stdout
     assert not (tmp_path / "out" / "results.json").exists()
-    if "usage:" not in stderr:  # argparse prints its usage first; ours are one line
-        assert len(stderr.strip().splitlines()) == 1, stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr  # argparse's errors too: no usage block
 
 
 @pytest.mark.parametrize(
@@ -519,8 +532,8 @@ def test_rerun_removes_stale_plots(compare_run: dict, tmp_path: Path) -> None:
 def test_vsr_undefined_when_nothing_verified() -> None:
     """0 / 0 is shown as '-' and written as null, never as 0 or -100% vs fixed."""
     rows = [
-        ResultRow("fixed", 2, None, None, Totals(4, 8, 16, 8, 16, 1.0)),
-        ResultRow("threshold", 2, 1, None, Totals(8, 8, 0, 0, 8, 1.0)),
+        ResultRow(SelectorConfig("fixed", 2, None, None, {}), Totals(4, 8, 16, 8, 16, 1.0)),
+        ResultRow(SelectorConfig("threshold", 2, 1, None, {}), Totals(8, 8, 0, 0, 8, 1.0)),
     ]
     line = next(x for x in format_table(rows).splitlines() if x.startswith("threshold"))
     assert "-100" not in line
@@ -533,6 +546,119 @@ def test_vsr_undefined_when_nothing_verified() -> None:
     row = next(r for r in results_json(rows, {})["rows"] if r["selector"] == "threshold")
     assert row["metrics"]["vsr"] is None and row["relative_to_fixed"]["vsr"] is None
     assert results_json(rows, {})["rows"][0]["metrics"]["vsr"] == 0.5
+
+
+def test_version_comes_from_the_package() -> None:
+    """``--version`` prints ``specselect.__version__``, and pyproject takes it from there."""
+    code, stdout, _ = run_main(["--version"])
+    assert code == 0 and stdout.strip() == f"specselect {specselect.__version__}"
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    project = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    dynamic = project["tool"]["setuptools"]["dynamic"]["version"]
+    assert dynamic == {"attr": "specselect.__version__"}
+
+
+def test_compare_help_shows_defaults_and_names() -> None:
+    from specselect.registry import available_selectors, spec_estimators
+
+    code, stdout, _ = run_main(["compare", "--help"])
+    assert code == 0
+    text = " ".join(stdout.split())  # argparse wraps lines
+    assert f"from: {', '.join(available_selectors())};" in text
+    assert f"ESTIMATOR from: {', '.join(spec_estimators())}" in text
+    assert "none, calibrated" in text  # the paper's TETRIS is among them
+    assert f"(default: {', '.join(default_selectors())})" in text
+    defaults = ["2,3,4", "1,2,3", "32", "64", "replay", "cpu", "float32", "1", "0"]
+    for value in [*defaults, "specselect-compare", "all", "none", "the shipped tiny pair"]:
+        assert f"(default: {value})" in text, value
+
+
+def test_limit_beyond_the_prompts_warns(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    small = ["--selectors", "fixed", "--k", "1", "--extra", "1", "--max-new-tokens", "3"]
+    code, _, stderr = run_main(
+        [
+            "compare",
+            *model_args(model_dirs),
+            "--limit",
+            "9",
+            "--out",
+            str(tmp_path),
+            *small,
+            "--slots",
+            "2",
+            "--quiet",
+            "--no-plots",
+        ]
+    )
+    assert code == 0, stderr
+    assert stderr.splitlines() == [
+        "specselect: warning: --limit 9 is more than the 5 prompts given; using those 5"
+    ]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["meta"]["traces"]["requests"] == 5
+
+
+def test_threads_apply_to_the_run_only(
+    compare_run: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--threads (default 1; 0: torch's setting) holds during the run; the caller's comes back."""
+    seen: list[int] = []
+    replay_all = cli.compare_replay
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(torch.get_num_threads())
+        return replay_all(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cli, "compare_replay", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for name, threads in (
+            ("default", []),
+            ("two", ["--threads", "2"]),
+            ("zero", ["--threads", "0"]),
+        ):
+            code, _, stderr = _reuse(compare_run, tmp_path / name, *threads)
+            assert code == 0, stderr
+            assert torch.get_num_threads() == 3
+            meta = json.loads((tmp_path / name / "results.json").read_text())["meta"]
+            assert meta["threads"] == seen[-1]
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2, 3]
+
+
+def test_trace_checks_are_library_functions(compare_run: dict, model_dirs: dict[str, Path]) -> None:
+    """The provenance checks ``compare --traces`` runs, called as a library user would."""
+    from transformers import AutoModelForCausalLM
+
+    traces = load_traces(compare_run["out"] / "traces.pt")
+    target, draft = (
+        AutoModelForCausalLM.from_pretrained(model_dirs[r]) for r in ("target", "draft")
+    )
+    check_trace_models(traces, target, draft)
+    check_trace_prompts(traces, traces.prompt_ids[:2])
+    check_trace_shape(traces, max_k=3, max_new_tokens=10)
+    first = traces.prompt_ids[0]
+    wrong = {
+        "^traces were recorded from other models: target name_or_path": lambda: check_trace_models(
+            traces, draft, draft
+        ),
+        "^traces were recorded from other prompts: this run's prompt 1 does not": lambda: (
+            check_trace_prompts(traces, [first, first])
+        ),
+        "^traces hold 4 requests, fewer than the 5": lambda: check_trace_prompts(
+            traces, [*traces.prompt_ids, first]
+        ),
+        "^traces hold max_k=4 draft tokens; this grid needs 5": lambda: check_trace_shape(
+            traces, max_k=5, max_new_tokens=10
+        ),
+    }
+    for message, check in wrong.items():
+        with pytest.raises(TraceMismatchError, match=message):
+            check()
 
 
 def test_no_command_prints_help_and_exits_2() -> None:

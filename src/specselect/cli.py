@@ -5,44 +5,47 @@ and by how much? It only wires library pieces together — :func:`specselect.rep
 :func:`specselect.replay.compare_replay` (exact greedy replay, every selector and the oracle),
 ``speculative_generate`` for ``--mode live``, and :func:`specselect.report.write_report`.
 
-User errors (a missing model directory, an empty or unreadable prompts file, an unknown selector,
-an invalid grid value, traces recorded from other models or prompts, an unusable ``--out`` or
-``--device``) print one line on stderr and exit with status 2, without a traceback. They are
-found before any model runs, so that a mistake never costs a recording.
+User errors (a bad argument, a missing model directory, an empty or unreadable prompts file, an
+unknown selector, an invalid grid value, traces recorded from other models or prompts, an
+unusable ``--out`` or ``--device``) print one line on stderr and exit with status 2, without a
+traceback. They are found before any model runs, so that a mistake never costs a recording.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
 
+from specselect import __version__
 from specselect.cost import CostModel
-from specselect.metrics import StepCounts, Totals
 from specselect.replay import (
     OracleSelector,
-    SelectorConfig,
+    ResultRow,
+    TraceMismatchError,
     Traces,
+    check_trace_models,
+    check_trace_prompts,
+    check_trace_shape,
+    compare_live,
     compare_replay,
-    left_pad,
     load_traces,
     record_traces,
-    replay,
     save_traces,
     selector_grid,
     traces_summary,
 )
-from specselect.replay.traces import _describe_model
-from specselect.report import ResultRow, format_table, write_report
+from specselect.report import format_table, write_report
 
 EXIT_USAGE = 2
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -114,7 +117,7 @@ def _seed(text: str) -> int:
 
 def _tree_spec(text: str) -> Any:
     """``"4,2,2"`` -> ``TreeSpec(depth=4, branch=2, width=2)`` (argparse type)."""
-    from specselect.hf.tree_draft import TreeSpec
+    from specselect import TreeSpec
 
     parts = text.split(",")
     if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
@@ -126,27 +129,53 @@ def _tree_spec(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive(option: str) -> Any:
-    """An argparse ``type`` for one integer >= 1."""
+def _integer(option: str, minimum: int) -> Any:
+    """An argparse ``type`` for one integer >= ``minimum``."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{option} expects an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{option} must be >= 1, got {value}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{option} must be >= {minimum}, got {value}")
         return value
 
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, like the command's own: argparse's usage block before the
+    error would bury it, and scripts can rely on one line (``--help`` shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+DEFAULT_THREADS = 1
+"""``--threads``: one CPU thread. The shipped pair's matrices are too small to split, and on a
+busy machine every extra thread waits for a core (measured in docs/compare.md)."""
+
+
+def _selectors_help() -> str:
+    from specselect.registry import available_selectors, spec_estimators
+
+    return (
+        f"comma-separated selectors, from: {', '.join(available_selectors())}; each optionally "
+        "with +ESTIMATOR for selectors that take one, ESTIMATOR from: "
+        f"{', '.join(spec_estimators())} (tetris+none is the paper's TETRIS, "
+        "plain tetris uses its default estimator). Fixed SD (the baseline) and the oracle are "
+        f"always included (default: {', '.join(default_selectors())})"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="specselect",
         description="Choose which draft tokens the target verifies in batched speculative "
         "decoding: compare selectors on your models and prompts.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     compare = commands.add_parser(
         "compare",
@@ -160,88 +189,132 @@ def build_parser() -> argparse.ArgumentParser:
     models = compare.add_argument_group("models and prompts")
     models.add_argument(
         "--target",
+        metavar="DIR",
         type=Path,
-        help="local HF model directory of the target "
-        "(its tokenizer is used); default: the shipped tiny pair",
+        help="local HF model directory of the target (its tokenizer is used) "
+        "(default: the shipped tiny pair)",
     )
-    models.add_argument("--draft", type=Path, help="local HF model directory of the draft")
+    models.add_argument(
+        "--draft",
+        metavar="DIR",
+        type=Path,
+        help="local HF model directory of the draft (default: the shipped tiny pair)",
+    )
     models.add_argument(
         "--prompts",
+        metavar="FILE",
         type=Path,
-        help=".txt (one prompt per line) or .jsonl "
-        "(objects with a 'text' field); default: the shipped prompts",
+        help=".txt (one prompt per line) or .jsonl (objects with a 'text' field) "
+        "(default: the shipped prompts)",
     )
-    models.add_argument("--limit", type=_positive("--limit"), help="use the first N prompts")
+    models.add_argument(
+        "--limit",
+        type=_integer("--limit", 1),
+        metavar="N",
+        help="use the first N prompts (default: all)",
+    )
     models.add_argument(
         "--traces",
+        metavar="FILE",
         type=Path,
         help="reuse traces from this file if it exists (checked against --target/--draft, "
-        "--prompts and --limit when given, and in live mode), else record them and save them there",
+        "--prompts and --limit when given, and in live mode), else record them and save them "
+        "there (default: record, and save them as traces.pt in --out)",
     )
     grid = compare.add_argument_group("selectors and grids")
     grid.add_argument(
-        "--selectors",
-        type=_name_list,
-        default=None,
-        help="comma-separated registry names, optionally with +estimator for selectors that "
-        "take one (e.g. tetris+calibrated; tetris+none is the paper's TETRIS). Default: every "
-        "registered selector, plus TETRIS with each estimator. Fixed SD and the oracle are "
-        "always included",
+        "--selectors", type=_name_list, default=None, metavar="NAMES", help=_selectors_help()
     )
     grid.add_argument(
         "--k",
+        metavar="K,...",
         type=_int_list("--k", 1),
-        default=[2, 3, 4],
-        help="mean windows k, e.g. 2,3,4 (budget per request)",
+        default="2,3,4",
+        help="mean windows k, the budget per request (default: %(default)s)",
     )
     grid.add_argument(
         "--extra",
+        metavar="EXTRA,...",
         type=_int_list("--extra", 0),
-        default=[1, 2, 3],
-        help="extra draft tokens beyond k, e.g. 1,2,3",
+        default="1,2,3",
+        help="extra draft tokens beyond k (default: %(default)s)",
     )
     grid.add_argument(
         "--budget",
+        metavar="C,...",
         type=_int_list("--budget", 0),
         default=[],
         help="absolute budgets C (draft tokens verified per step over the batch) "
-        "for selectors that take one (TETRIS, oracle), in addition to k * active",
+        "for selectors that take one (TETRIS, oracle), in addition to k * active "
+        "(default: none)",
     )
     run = compare.add_argument_group("run")
-    run.add_argument("--slots", type=_positive("--slots"), default=32, help="batch slots")
+    run.add_argument(
+        "--slots",
+        type=_integer("--slots", 1),
+        default=32,
+        metavar="N",
+        help="batch slots (default: %(default)s)",
+    )
     run.add_argument(
         "--max-new-tokens",
-        type=_positive("--max-new-tokens"),
+        metavar="N",
+        type=_integer("--max-new-tokens", 1),
         default=64,
-        help="tokens generated per request (EOS does not stop a request)",
+        help="tokens generated per request; EOS does not stop a request (default: %(default)s)",
     )
     run.add_argument(
         "--mode",
         choices=("replay", "live"),
         default="replay",
-        help="replay: exact greedy replay with modelled goodput (default); live: run "
-        "speculative_generate and measure wall-clock goodput",
+        help="replay: exact greedy replay with modelled goodput; live: run "
+        "speculative_generate and measure wall-clock goodput (default: %(default)s)",
     )
     run.add_argument(
         "--tree",
         type=_tree_spec,
         default=None,
         metavar="DEPTH,BRANCH,WIDTH",
-        help="live mode only: also run every tree-capable selector (tetris, fixed) with a draft "
-        "tree of this shape per request, at the same budget, next to its chain rows",
+        help="live mode only: also run every selector (the oracle aside: it is replayed) with a "
+        "draft tree of this shape per request, at the same budget, next to its chain rows "
+        "(default: chains only)",
     )
-    run.add_argument("--device", default="cpu", help="torch device for the models")
-    run.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype")
-    run.add_argument("--seed", type=_seed, default=0, help="torch seed")
+    run.add_argument(
+        "--device", default="cpu", help="torch device for the models (default: %(default)s)"
+    )
+    run.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32",
+        help="model dtype (default: %(default)s)",
+    )
+    run.add_argument(
+        "--threads",
+        metavar="N",
+        type=_integer("--threads", 0),
+        default=DEFAULT_THREADS,
+        help="CPU threads torch uses during the run, restored afterwards; 1 is fastest for "
+        "small models such as the shipped pair, and on a busy machine; raise it for larger "
+        "models on an otherwise idle CPU; 0 keeps torch's setting (one per core, or "
+        "OMP_NUM_THREADS) (default: %(default)s)",
+    )
+    run.add_argument(
+        "--seed", type=_seed, default=0, metavar="N", help="torch seed (default: %(default)s)"
+    )
     run.add_argument(
         "--out",
+        metavar="DIR",
         type=Path,
         default=Path("specselect-compare"),
         help="output directory (results.json, report.md, plots, traces.pt), created and "
-        "checked for writing before any work",
+        "checked for writing before any work (default: %(default)s)",
     )
     run.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    run.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bars (neither specselect's nor transformers' weight loading)",
+    )
     compare.set_defaults(func=run_compare)
     return parser
 
@@ -348,8 +421,18 @@ def load_inputs(args: argparse.Namespace) -> Inputs:
         target, draft, tokenizer = _from_dirs(args)
         source = f"target {args.target}, draft {args.draft}"
     if args.limit is not None:
+        if args.limit > len(prompts):
+            _warn(
+                f"--limit {args.limit} is more than the {len(prompts)} prompts given; "
+                f"using those {len(prompts)}"
+            )
         prompts = prompts[: args.limit]
     return Inputs(target, draft, tokenizer, prompts, source)
+
+
+def _warn(message: str) -> None:
+    """One line on stderr: the run goes on, but not quite as asked."""
+    print(f"specselect: warning: {message}", file=sys.stderr)
 
 
 def _shipped(args: argparse.Namespace) -> tuple[Any, Any, Any, list[str]]:
@@ -408,7 +491,13 @@ def obtain_traces(args: argparse.Namespace, max_k: int) -> tuple[Traces, Inputs 
     path: Path | None = args.traces
     if path is not None and path.exists():
         traces = _load_traces_arg(path)
-        _check_loaded(traces, path, max_k, args.max_new_tokens)
+        with _as_usage_error():
+            check_trace_shape(
+                traces,
+                max_k=max_k,
+                max_new_tokens=args.max_new_tokens,
+                name=f"traces {str(path)!r}",
+            )
         inputs = load_inputs(args) if _names_inputs(args) else None
         return _requests_to_use(traces, path, inputs, args.limit), inputs
     if path is not None:  # before recording, not after: the recording would be lost
@@ -450,19 +539,6 @@ def _load_traces_arg(path: Path) -> Traces:
         ) from None
 
 
-def _check_loaded(traces: Traces, path: Path, max_k: int, max_new_tokens: int) -> None:
-    if traces.max_k < max_k:
-        raise UsageError(
-            f"traces {str(path)!r} hold max_k={traces.max_k} draft tokens; this grid "
-            f"needs {max_k} (record again into a new file)"
-        )
-    if traces.max_new_tokens != max_new_tokens:
-        raise UsageError(
-            f"traces {str(path)!r} were recorded with max_new_tokens="
-            f"{traces.max_new_tokens}, not {max_new_tokens}"
-        )
-
-
 def _names_inputs(args: argparse.Namespace) -> bool:
     """Does the run say which models and prompts it is about, so stored traces must match?
 
@@ -484,66 +560,30 @@ def _requests_to_use(
             if limit is not None and limit > held
             else f"this run has {wanted} prompts,"
         )
-        print(
-            f"specselect: warning: {asked} more requests than --traces {str(path)!r} holds "
-            f"({held}); using those {held}",
-            file=sys.stderr,
+        _warn(
+            f"{asked} more requests than --traces {str(path)!r} holds ({held}); using those {held}"
         )
     used = min(wanted, held)
     if inputs is not None:
-        _check_models(traces, path, inputs)
-        _check_prompts(traces, path, inputs, used)
+        name = f"--traces {str(path)!r}"
+        shipped = traces.meta.get("source") == SHIPPED == inputs.source  # a reinstall moves it
+        with _as_usage_error():
+            check_trace_models(
+                traces, inputs.target, inputs.draft, compare_paths=not shipped, name=name
+            )
+            current = tokenize(inputs.tokenizer, inputs.prompts[:used])
+            check_trace_prompts(traces, current, inputs.prompts, name=name)
     return traces if used == held else traces.subset(range(used))
 
 
-_MODEL_FIELDS = ("name_or_path", "class", "dtype", "parameters")
-"""What ``record_traces`` stores of each model (``_describe_model``) and reuse compares."""
-
-
-def _check_models(traces: Traces, path: Path, inputs: Inputs) -> None:
-    """The traces' stored model descriptions match this run's models (fields absent: skipped).
-
-    Without this, new models would replay (or, live, run on prompt ids from) another pair.
-    """
-    shipped = traces.meta.get("source") == SHIPPED == inputs.source
-    differences = [
-        f"{role} {key} {stored!r} (this run: {current!r})"
-        for role, model in (("target", inputs.target), ("draft", inputs.draft))
-        for key, stored, current in _model_fields(traces.meta.get(role), model)
-        if not _same_field(key, stored, current, shipped)
-    ]
-    if differences:
-        raise UsageError(
-            f"--traces {str(path)!r} were recorded from other models: "
-            f"{'; '.join(differences)}; record again into a new file"
-        )
-
-
-def _model_fields(stored: Any, model: Any) -> list[tuple[str, Any, Any]]:
-    """``(field, stored, current)`` for the fields the traces hold (older files hold fewer)."""
-    if not isinstance(stored, dict):
-        return []
-    current = _describe_model(model)
-    return [(key, stored[key], current[key]) for key in _MODEL_FIELDS if key in stored]
-
-
-def _same_field(key: str, stored: Any, current: Any, shipped: bool) -> bool:
-    """Paths compare resolved; the shipped pair's path is skipped (a reinstall moves it)."""
-    if key != "name_or_path":
-        return bool(stored == current)
-    return shipped or Path(str(stored)).resolve() == Path(str(current)).resolve()
-
-
-def _check_prompts(traces: Traces, path: Path, inputs: Inputs, used: int) -> None:
-    """The first ``used`` prompts tokenize to the token ids the traces were recorded from."""
-    current = tokenize(inputs.tokenizer, inputs.prompts[:used])
-    for index, (mine, recorded) in enumerate(zip(current, traces.prompt_ids, strict=False)):
-        if not torch.equal(mine, recorded.to(torch.int64)):
-            raise UsageError(
-                f"--traces {str(path)!r} were recorded from other prompts: this run's prompt "
-                f"{index} ({inputs.prompts[index][:30]!r}) does not tokenize to the recorded "
-                "token ids; record again into a new file"
-            )
+@contextlib.contextmanager
+def _as_usage_error() -> Iterator[None]:
+    """The library's trace checks speak for the command line: their one-line messages as
+    usage errors."""
+    try:
+        yield
+    except TraceMismatchError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def check_writable_dir(option: str, path: Path) -> None:
@@ -569,55 +609,6 @@ def _reason(exc: OSError) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Live mode
-# --------------------------------------------------------------------------------------------
-
-
-_NO_EOS: list[int] = []
-"""Passed as ``eos_token_id``: no token stops a request, as in the traces."""
-
-
-def live_totals(
-    inputs: Inputs,
-    prompt_ids: Sequence[Tensor],
-    config: SelectorConfig,
-    slots: int,
-    max_new_tokens: int,
-    cost_model: CostModel,
-    tree: Any = None,
-) -> Totals:
-    """Run ``speculative_generate`` for real over the prompts in static batches of ``slots``.
-
-    Greedy, no EOS stop (as the traces), one fresh selector per batch. Goodput is measured: the
-    totals' seconds are the wall-clock time of the ``speculative_generate`` calls.
-    """
-    from specselect.hf import speculative_generate
-
-    steps: list[StepCounts] = []
-    seconds = 0.0
-    device = next(inputs.target.parameters()).device
-    for start in range(0, len(prompt_ids), slots):
-        ids, mask = left_pad(prompt_ids[start : start + slots], device)
-        selector = config.build(cost_model)
-        began = time.perf_counter()
-        output = speculative_generate(
-            inputs.target,
-            inputs.draft,
-            ids,
-            mask,
-            selector=selector,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=_NO_EOS,
-            pad_token_id=0,
-            tree=tree,
-        )
-        seconds += time.perf_counter() - began
-        steps.extend(output.stats.steps)
-    return replace(Totals.of(steps), seconds=seconds)
-
-
-# --------------------------------------------------------------------------------------------
 # compare
 # --------------------------------------------------------------------------------------------
 
@@ -638,7 +629,49 @@ def default_selectors() -> list[str]:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    """The ``compare`` command (see the module docstring)."""
+    """The ``compare`` command (see the module docstring).
+
+    torch's CPU threads (``--threads``) and, with ``--quiet``, transformers' progress bars are
+    set for the run only: a caller of :func:`main` gets its own settings back.
+    """
+    with contextlib.ExitStack() as settings:
+        settings.enter_context(_torch_threads(args.threads))
+        if args.quiet:
+            settings.enter_context(_no_transformers_progress_bars())
+        return _compare(args)
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    """``torch.set_num_threads(threads)`` inside the block, the previous count after it
+    (``threads=0``: unchanged)."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def _no_transformers_progress_bars() -> Iterator[None]:
+    """transformers' own bars ("Loading weights") off inside the block, as they were after."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # no transformers: no bars to silence
+        yield
+        return
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _compare(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     torch.manual_seed(args.seed)
     check_model_args(args)
@@ -653,13 +686,14 @@ def run_compare(args: argparse.Namespace) -> int:
     traces, inputs = obtain_traces(args, max_k)
     cost_model = CostModel()
     if args.mode == "live":
-        rows = _live_rows(args, inputs, traces, configs, cost_model)
+        if inputs is None:  # obtain_traces loads the models for live runs
+            raise UsageError("--mode live needs the models")
+        rows = compare_live(
+            inputs.target, inputs.draft, traces, configs, args.slots, cost_model, args.tree
+        )
     else:
         replayed = compare_replay(traces, configs, args.slots, cost_model, progress=not args.quiet)
-        rows = [
-            _row(config, result.totals, "modelled", result.calibration())
-            for config, result in replayed
-        ]
+        rows = [ResultRow.replayed(config, result) for config, result in replayed]
     meta = _meta(args, traces, cost_model, time.perf_counter() - began)
     try:
         written = write_report(rows, args.out, meta, plots=not args.no_plots and _have_matplotlib())
@@ -674,81 +708,6 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _row(
-    config: SelectorConfig,
-    totals: Totals,
-    goodput_kind: str,
-    calibration: list[dict[str, float]] | None = None,
-) -> ResultRow:
-    params = {k: v for k, v in config.kwargs.items() if isinstance(v, int | float | str | None)}
-    return ResultRow(
-        config.name,
-        config.k,
-        config.extra,
-        config.budget,
-        totals,
-        goodput_kind,
-        params,
-        calibration or [],
-    )
-
-
-def _live_rows(
-    args: argparse.Namespace,
-    inputs: Inputs | None,
-    traces: Traces,
-    configs: Sequence[SelectorConfig],
-    cost_model: CostModel,
-) -> list[ResultRow]:
-    """Live rows for every real selector; the oracle gets a replay row (it cannot run live).
-
-    A short untimed warm-up run comes first: the first forward passes of a process pay for
-    one-off initialisation, which would otherwise be charged to the first configuration.
-    """
-    if inputs is None or inputs.target is None:
-        raise UsageError("--mode live needs the models")
-    prompt_ids = list(traces.prompt_ids)
-    warm_up = SelectorConfig("fixed", 1, None, None, {"k": 1})
-    live_totals(inputs, prompt_ids[: args.slots], warm_up, args.slots, 4, cost_model)
-    rows = []
-    trees_done: set[tuple[str, int, int | None]] = set()
-    for config in configs:
-        if config.name == OracleSelector.name:
-            rows.append(_static_oracle_row(traces, config, args.slots, cost_model))
-            continue
-        totals = live_totals(
-            inputs, prompt_ids, config, args.slots, args.max_new_tokens, cost_model
-        )
-        rows.append(_row(config, totals, "measured"))
-        tree_key = (config.name, config.k, config.budget)
-        if args.tree is None or tree_key in trees_done or not config.build().supports_trees:
-            continue
-        trees_done.add(tree_key)  # the tree's shape, not extra, sets what is drafted
-        tree_totals = live_totals(
-            inputs, prompt_ids, config, args.slots, args.max_new_tokens, cost_model, args.tree
-        )
-        tree = args.tree
-        label = replace(
-            config,
-            name=f"{config.name} tree({tree.depth},{tree.branch},{tree.width})",
-            extra=None,
-        )
-        rows.append(_row(label, tree_totals, "measured"))
-    return rows
-
-
-def _static_oracle_row(
-    traces: Traces, config: SelectorConfig, slots: int, cost_model: CostModel
-) -> ResultRow:
-    """The oracle replayed in static batches (``refill=False``), as the live rows run.
-
-    A refilling replay would batch the requests differently from the live rows beside it, so
-    its bound would not be a bound for them.
-    """
-    result = replay(traces, config.build(cost_model), slots, cost_model, refill=False)
-    return _row(config, result.totals, "modelled", result.calibration())
-
-
 def _meta(args: argparse.Namespace, traces: Traces, cost: CostModel, seconds: float) -> dict:
     return {
         "command": " ".join(["specselect", *args.argv]),
@@ -761,6 +720,7 @@ def _meta(args: argparse.Namespace, traces: Traces, cost: CostModel, seconds: fl
         "seed": args.seed,
         "device": args.device,
         "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
         "cost_model": asdict(cost),
         "traces": traces_summary(traces),
         "models": {key: traces.meta.get(key) for key in ("target", "draft", "source")},

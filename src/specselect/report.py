@@ -16,6 +16,10 @@ The distinct per-step quantities shown besides tokens per step and VSR are per *
 A row that verified nothing has no VSR (0 / 0): it is shown as ``-`` and written as ``null``,
 not as 0, which would read as "every verified token was rejected" (and as -100% vs fixed SD).
 
+The rows are :class:`specselect.replay.ResultRow` s (re-exported here). Tables, summaries and
+plots show a selector once per ``k`` where all its ``extra`` values gave identical results
+(:func:`merge_extra_repeats`); ``results.json`` keeps every configuration.
+
 matplotlib is imported only when plots are drawn, and through its object-oriented API
 (``Figure`` + Agg canvas), so that writing a report never changes the caller's pyplot backend.
 """
@@ -24,11 +28,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from specselect.metrics import Totals
+from specselect.replay.results import MEASURED, MODELLED, ResultRow
 
 BASELINE = "fixed"
 ORACLE = "oracle"
@@ -37,47 +42,13 @@ __all__ = [
     "ResultRow",
     "format_table",
     "markdown_report",
+    "merge_extra_repeats",
     "plot_tokens_vs_budget",
     "plot_vsr_vs_extra",
     "relative_to_baseline",
     "results_json",
     "write_report",
 ]
-
-
-@dataclass(frozen=True)
-class ResultRow:
-    """One selector configuration's totals in a comparison.
-
-    Attributes:
-        selector: registry name (or ``"oracle"``).
-        k: the mean window it is compared at (fixed SD at this ``k`` is its baseline).
-        extra: drafted tokens beyond ``k``; None for selectors without that notion.
-        budget: absolute budget per step, None = the selector's default.
-        totals: the run's totals (``seconds`` modelled in replay, measured in live runs).
-        goodput_kind: ``"modelled"`` or ``"measured"``.
-        params: the selector's constructor arguments (JSON-compatible).
-        calibration: reliability-diagram bins of the scores the selector ranked, as
-            ``{"predicted", "observed", "tokens"}`` (see ``ReplayResult.calibration``).
-    """
-
-    selector: str
-    k: int
-    extra: int | None
-    budget: int | None
-    totals: Totals
-    goodput_kind: str = "modelled"
-    params: dict[str, Any] = field(default_factory=dict)
-    calibration: list[dict[str, float]] = field(default_factory=list)
-
-    @property
-    def label(self) -> str:
-        parts = [self.selector, f"k={self.k}"]
-        if self.extra is not None:
-            parts.append(f"extra={self.extra}")
-        if self.budget is not None:
-            parts.append(f"C={self.budget}")
-        return " ".join(parts)
 
 
 _RELATIVE = ("tokens_per_step", "accepted_per_request_step", "vsr", "goodput")
@@ -138,10 +109,12 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def _goodput_header(rows: Sequence[ResultRow]) -> str:
     kinds = {r.goodput_kind for r in rows}
-    return f"goodput ({'/'.join(sorted(kinds)) or 'modelled'} tok/s)"
+    return f"goodput ({'/'.join(sorted(kinds)) or MODELLED} tok/s)"
 
 
 def _table_cells(rows: Sequence[ResultRow]) -> tuple[list[str], list[list[str]]]:
+    """Header and cells of ``rows`` (in their order); the ``C`` column only when a row has an
+    absolute budget (otherwise it would be all ``-``)."""
     header = [
         "selector",
         "k",
@@ -176,7 +149,45 @@ def _table_cells(rows: Sequence[ResultRow]) -> tuple[list[str], list[list[str]]]
                 _pct(rel["goodput"]),
             ]
         )
+    if all(row.budget is None for row in rows):
+        budget = header.index("C")
+        header.pop(budget)
+        for cells in body:
+            cells.pop(budget)
     return header, body
+
+
+def merge_extra_repeats(rows: Sequence[ResultRow]) -> list[ResultRow]:
+    """``rows`` with each selector shown once per ``k`` and budget where every ``extra`` gave it
+    identical results (totals and calibration), with ``extra`` None (shown as ``-``).
+
+    Dynamic selectors get ``extra`` only as a cap on their window (``max_k = k + extra``); one
+    that never reaches the cap (DSD on a weak pair) repeats the same row for every ``extra``,
+    and a summary would then name an arbitrary ``extra`` as best. Measured (live) rows never
+    repeat exactly, so they are kept. The first of the merged rows stands for them; the order
+    of ``rows`` is kept.
+    """
+
+    def group(row: ResultRow) -> tuple[Any, ...]:
+        return (row.selector, row.k, row.budget, row.goodput_kind)
+
+    extras: dict[tuple[Any, ...], list[ResultRow]] = {}
+    for row in rows:
+        if row.extra is not None:
+            extras.setdefault(group(row), []).append(row)
+    merged: list[ResultRow] = []
+    for row in rows:
+        same = extras.get(group(row), [])
+        if row.extra is None or len(same) < 2 or not _all_alike(same):
+            merged.append(row)
+        elif row is same[0]:
+            merged.append(replace(row, config=replace(row.config, extra=None)))
+    return merged
+
+
+def _all_alike(rows: Sequence[ResultRow]) -> bool:
+    first = rows[0]
+    return all(r.totals == first.totals and r.calibration == first.calibration for r in rows)
 
 
 def _ordered(rows: Iterable[ResultRow]) -> list[ResultRow]:
@@ -189,35 +200,41 @@ def _ordered(rows: Iterable[ResultRow]) -> list[ResultRow]:
     return sorted(rows, key=key)
 
 
+def _shown(rows: Sequence[ResultRow]) -> list[ResultRow]:
+    """The rows a table shows, in its order: repeats over ``extra`` merged, grouped by ``k``."""
+    return _ordered(merge_extra_repeats(rows))
+
+
 def format_table(rows: Sequence[ResultRow]) -> str:
-    """Fixed-width console table, grouped by ``k`` (relative columns: vs fixed SD at that k)."""
-    header, body = _table_cells(_ordered(rows))
+    """Fixed-width console table, grouped by ``k`` (relative columns: vs fixed SD at that k).
+
+    A selector whose rows are identical for every ``extra`` is shown once per ``k``
+    (:func:`merge_extra_repeats`).
+    """
+    shown = _shown(rows)
+    header, body = _table_cells(shown)
     widths = [max(len(r[c]) for r in [header, *body]) for c in range(len(header))]
-    lines = [
-        "  ".join(
-            h.rjust(w) if i else h.ljust(w)
-            for i, (h, w) in enumerate(zip(header, widths, strict=True))
-        )
-    ]
-    lines.append("  ".join("-" * w for w in widths))
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()  # an empty last cell (no ratio) leaves no trailing blanks
+
+    lines = [line(header), "  ".join("-" * w for w in widths)]
     previous_k = None
-    for cells, row in zip(body, _ordered(rows), strict=True):
+    for cells, row in zip(body, shown, strict=True):
         if previous_k is not None and row.k != previous_k:
             lines.append("")
         previous_k = row.k
-        lines.append(
-            "  ".join(
-                c.rjust(w) if i else c.ljust(w)
-                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-            )
-        )
+        lines.append(line(cells))
     return "\n".join(lines)
 
 
 def markdown_table(rows: Sequence[ResultRow]) -> str:
     """The same table in GitHub markdown."""
-    header, body = _table_cells(_ordered(rows))
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * 11) + "|"]
+    header, body = _table_cells(_shown(rows))
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     lines += ["| " + " | ".join(cells) + " |" for cells in body]
     return "\n".join(lines)
 
@@ -249,6 +266,17 @@ def _within_budget(row: ResultRow) -> bool:
     return row.totals.verified_per_request_step <= row.k + 1e-9
 
 
+def _best(rows: Sequence[ResultRow], metric: str) -> list[ResultRow]:
+    """The rows with the largest ``metric`` (a :class:`Totals` property): all of them on a tie,
+    so that a summary never picks one of equal configurations arbitrarily."""
+    top = max(getattr(r.totals, metric) for r in rows)
+    return [r for r in rows if getattr(r.totals, metric) == top]
+
+
+def _labels(rows: Sequence[ResultRow]) -> str:
+    return " = ".join(r.label for r in rows)
+
+
 def _summary_lines(rows: Sequence[ResultRow]) -> list[str]:
     """Per ``k``: fixed SD, the best goodput, the best within fixed SD's budget, the oracle.
 
@@ -256,6 +284,7 @@ def _summary_lines(rows: Sequence[ResultRow]) -> list[str]:
     restricted to rows that verified at most ``k`` tokens per request-step; goodput already
     charges for what was spent, so it is compared across all rows.
     """
+    rows = merge_extra_repeats(rows)  # name "dsd k=2", not an arbitrary one of equal extras
     lines = []
     for k in sorted({r.k for r in rows}):
         group = [r for r in rows if r.k == k]
@@ -265,16 +294,16 @@ def _summary_lines(rows: Sequence[ResultRow]) -> list[str]:
         if base is not None:
             parts.append(f"fixed SD {base.totals.tokens_per_step:.3f} tokens/step.")
         if real:
-            best_gp = max(real, key=lambda r: r.totals.goodput)
-            rel = relative_to_baseline(best_gp, rows)["goodput"]
-            parts.append(f"Highest goodput: {best_gp.label} ({_pct(rel) or 'n/a'} vs fixed).")
+            best_gp = _best(real, "goodput")
+            rel = relative_to_baseline(best_gp[0], rows)["goodput"]
+            parts.append(f"Highest goodput: {_labels(best_gp)} ({_pct(rel) or 'n/a'} vs fixed).")
         frugal = [r for r in real if _within_budget(r)]
         if frugal:
-            best = max(frugal, key=lambda r: r.totals.tokens_per_step)
-            rel = relative_to_baseline(best, rows)["tokens_per_step"]
+            best = _best(frugal, "tokens_per_step")
+            rel = relative_to_baseline(best[0], rows)["tokens_per_step"]
             parts.append(
-                f"Most tokens/step within fixed SD's budget: {best.label} "
-                f"({best.totals.tokens_per_step:.3f}, {_pct(rel) or 'n/a'})."
+                f"Most tokens/step within fixed SD's budget: {_labels(best)} "
+                f"({best[0].totals.tokens_per_step:.3f}, {_pct(rel) or 'n/a'})."
             )
         oracle = [r for r in group if r.selector == ORACLE and r.budget is None]
         if oracle:
@@ -302,8 +331,11 @@ _COLUMNS_NOTE = (
     "Relative columns compare with fixed-window speculative decoding (standard SD) at the same "
     "`k`. Tokens per step are comparable only at equal spend (`ver/step`); goodput charges for "
     "what was spent. `acc/step` and `ver/step` are accepted and verified draft tokens per active "
-    "request per step (accepted per verified token is the VSR). `C` is an absolute budget per "
-    "step (`-`: the default `k * active requests`). The oracle knows the true run lengths and "
+    "request per step (accepted per verified token is the VSR). `extra` is `-` for selectors "
+    "without one (fixed SD, draft trees) and for a selector that gave identical results at every "
+    "`extra`, shown once (`results.json` lists each configuration). `C`, shown when absolute "
+    "budgets were given, is such a budget per step (`-`: the default `k * active requests`). "
+    "The oracle knows the true run lengths and "
     "spends the budget only on tokens that will be accepted: at each step, the most a selector "
     "with the same window (`k + extra`) and budget (`k` per request) could accept (a per-step "
     "bound, not a bound over whole runs)."
@@ -321,9 +353,9 @@ _MEASURED_NOTE = (
 
 def _goodput_note(rows: Sequence[ResultRow]) -> str:
     """Say which goodputs were measured and which modelled (live runs mix both: the oracle)."""
-    if all(r.goodput_kind != "measured" for r in rows):
+    if all(r.goodput_kind != MEASURED for r in rows):
         return _MODELLED_NOTE
-    modelled = sorted({r.selector for r in rows if r.goodput_kind != "measured"})
+    modelled = sorted({r.selector for r in rows if r.goodput_kind != MEASURED})
     if not modelled:
         return _MEASURED_NOTE
     return (
@@ -390,12 +422,26 @@ def _new_figure(panels: int) -> tuple[Any, list[Any]]:
 
 
 _MARKERS = ("o", "^", "v", "D", "P", "*", "<", ">")
-_COLORS = ("tab:green", "tab:blue", "tab:orange", "tab:red", "tab:purple", "tab:brown")
+_COLORS = (
+    "tab:blue",
+    "tab:orange",
+    "tab:green",
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:olive",
+    "tab:cyan",
+)
+"""tab10 without grey (fixed SD's) and black (the oracle's)."""
+_LINESTYLES = ("-", "--", "-.", ":")
 
 
 def _style(selector: str, names: Sequence[str]) -> dict[str, Any]:
-    """The same look for a selector in every panel and plot; distinct markers, since points of
-    different selectors often coincide (e.g. a dynamic window that settles on fixed SD's)."""
+    """The same look for a selector in every panel and plot: a colour of its own (up to nine
+    selectors; beyond, colours repeat with another marker and line style), and distinct markers,
+    since points of different selectors often coincide (e.g. a dynamic window that settles on
+    fixed SD's)."""
     if selector == ORACLE:
         return {"color": "black", "linestyle": "--", "marker": "x", "zorder": 4}
     if selector == BASELINE:  # below the others: a selector that matches it stays visible
@@ -405,6 +451,7 @@ def _style(selector: str, names: Sequence[str]) -> dict[str, Any]:
     return {
         "color": _COLORS[i % len(_COLORS)],
         "marker": _MARKERS[i % len(_MARKERS)],
+        "linestyle": _LINESTYLES[i // len(_COLORS) % len(_LINESTYLES)],
         "alpha": 0.85,
         "zorder": 3,
     }
@@ -428,26 +475,72 @@ def plot_tokens_vs_budget(rows: Sequence[ResultRow], path: str | Path) -> Path:
     """Tokens per step against the budget actually spent (verified per request-step).
 
     One panel per ``extra`` (selectors without ``extra`` appear in every panel); one line per
-    selector over ``k`` (and absolute budgets). The x-axis is what each selector *spent*, so
-    dynamic selectors, which choose their own budget, sit at their true cost.
+    selector over ``k`` (and absolute budgets), each point labelled with its ``k`` (and ``C``).
+    The x-axis is what each selector *spent*, so dynamic selectors, which choose their own
+    budget, sit at their true cost, and a point's position does not tell its ``k``.
     """
+    fig, axes = _tokens_figure(rows)
+    return _finish(fig, axes, Path(path))
+
+
+def _point_label(row: ResultRow) -> str:
+    return str(row.k) if row.budget is None else f"{row.k} C={row.budget}"
+
+
+def _tokens_figure(rows: Sequence[ResultRow]) -> tuple[Any, list[Any]]:
     extras: list[int | None] = [*sorted({r.extra for r in rows if r.extra is not None})] or [None]
     fig, axes = _new_figure(len(extras))
+    names = [r.selector for r in rows]
     for ax, extra in zip(axes, extras, strict=True):
         panel = [r for r in rows if r.extra in (extra, None)]
         for name in sorted({r.selector for r in panel}):
-            points = sorted(
-                (r.totals.verified_per_request_step, r.totals.tokens_per_step)
-                for r in panel
-                if r.selector == name
+            mine = sorted(
+                (r for r in panel if r.selector == name),
+                key=lambda r: r.totals.verified_per_request_step,
             )
-            xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, label=name, **_style(name, [r.selector for r in rows]))
+            xs = [r.totals.verified_per_request_step for r in mine]
+            ys = [r.totals.tokens_per_step for r in mine]
+            ax.plot(xs, ys, label=name, **_style(name, names))
+        _label_points(ax, panel)
         ax.set_title("all" if extra is None else f"extra = {extra}")
         ax.set_xlabel("verified tokens per request per step (budget)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("tokens per step")
-    return _finish(fig, axes, Path(path))
+    return fig, axes
+
+
+_NEAR = 0.03
+"""Points closer than this (as a fraction of the data's span on both axes) share a label."""
+
+
+def _label_points(ax: Any, rows: Sequence[ResultRow]) -> None:
+    """Write ``k=..`` beside the points of ``rows``, once per cluster of nearby points with
+    the same ``k`` (the TETRIS variants of one ``k`` often coincide), and as ``k=2,3,4`` where
+    one selector's points coincide (DSD's window does not follow ``k``)."""
+    points = [(r.totals.verified_per_request_step, r.totals.tokens_per_step, r) for r in rows]
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    span_x, span_y = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+
+    def near(a: tuple[float, float], b: tuple[float, float]) -> bool:
+        return abs(a[0] - b[0]) <= _NEAR * span_x and abs(a[1] - b[1]) <= _NEAR * span_y
+
+    clusters: list[tuple[tuple[float, float], list[str]]] = []  # position, its k labels
+    for x, y, row in sorted(points, key=lambda p: (p[2].k, p[0], p[1])):
+        label = _point_label(row)
+        here = next((c for c in clusters if near(c[0], (x, y))), None)
+        if here is None:
+            clusters.append(((x, y), [label]))
+        elif label not in here[1]:
+            here[1].append(label)
+    for (x, y), labels in clusters:
+        ax.annotate(
+            f"k={','.join(labels)}",
+            (x, y),
+            xytext=(4, -9),
+            textcoords="offset points",
+            fontsize=6.5,
+            color="0.2",
+        )
 
 
 def plot_vsr_vs_extra(rows: Sequence[ResultRow], path: str | Path) -> Path:
@@ -510,25 +603,48 @@ def plot_reliability(rows: Sequence[ResultRow], path: str | Path) -> Path:
     """Reliability diagram: predicted vs observed acceptance of the tokens the target tested.
 
     A point on the diagonal means the selector's scores are calibrated acceptance
-    probabilities; TETRIS's ranking is only as good as that.
+    probabilities; TETRIS's ranking is only as good as that. Each TETRIS variant is shown at
+    its largest ``k`` and ``extra`` (the title, or each label, says which). Variants whose
+    scores barely differ (``tetris+draft`` and ``tetris+none``) draw nearly the same curve, so
+    each gets its own line style and a hollow marker of its own shape and size: both stay
+    visible where they coincide.
     """
+    fig, axes = _reliability_figure(rows)
+    return _finish(fig, axes, Path(path))
+
+
+def _reliability_figure(rows: Sequence[ResultRow]) -> tuple[Any, list[Any]]:
     fig, axes = _new_figure(1)
     ax = axes[0]
     chosen = _reliability_rows(rows)
-    names = [r.selector for r in chosen]
-    for row in chosen:
+    names = [r.selector for r in rows]
+    shown = {(r.k, r.extra) for r in chosen}
+    for index, row in enumerate(chosen):
         xs = [b["predicted"] for b in row.calibration]
         ys = [b["observed"] for b in row.calibration]
-        label = f"{row.selector} (ECE {calibration_error(row.calibration):.2f})"
-        ax.plot(xs, ys, label=label, **{**_style(row.selector, names), "marker": "o"})
+        where = "" if len(shown) == 1 else f", k={row.k} extra={_opt(row.extra)}"
+        label = f"{row.selector} (ECE {calibration_error(row.calibration):.2f}{where})"
+        style = {
+            **_style(row.selector, names),
+            "linestyle": _LINESTYLES[index % len(_LINESTYLES)],
+            "markersize": max(11 - 2 * index, 4),  # later curves: smaller, thinner, on top
+            "linewidth": max(2.8 - 0.6 * index, 1.0),
+            "markerfacecolor": "none",
+            "markeredgewidth": 1.5,
+        }
+        ax.plot(xs, ys, label=label, **style)
     ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1)
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.set_xlabel("predicted acceptance (score of the token)")
     ax.set_ylabel("observed acceptance")
-    ax.set_title("reliability of the ranked scores")
+    title = "reliability of the ranked scores"
+    if len(shown) == 1:
+        k, extra = next(iter(shown))
+        title += f"\n(k = {k}, extra = {_opt(extra)})"
+    ax.set_title(title)
     ax.grid(alpha=0.3)
-    return _finish(fig, axes, Path(path))
+    return fig, axes
 
 
 def reliability_lines(rows: Sequence[ResultRow]) -> list[str]:

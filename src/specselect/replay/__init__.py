@@ -35,7 +35,16 @@ Where things live (everything is importable from ``specselect.replay`` itself):
 * :mod:`specselect.replay.engine` — the replay loop (:func:`iter_replay`, :func:`replay`,
   :class:`ReplayStep`, :class:`ReplayResult`, :func:`end_of_row_logprobs`, reliability bins);
 * :mod:`specselect.replay.grid` — selector grids and comparisons (:class:`SelectorConfig`,
-  :func:`selector_grid`, :func:`compare_replay`).
+  :func:`selector_grid`, :func:`compare_replay`);
+* :mod:`specselect.replay.results` — :class:`ResultRow`, one configuration's result in a
+  comparison (replayed or live), the row type of :mod:`specselect.report`;
+* :mod:`specselect.replay.live` — live comparisons that run ``speculative_generate`` and
+  measure wall-clock goodput (:func:`compare_live`, :func:`live_totals`,
+  :func:`static_oracle_row`);
+* :mod:`specselect.replay.provenance` — checks before reusing a trace file: the grid fits it
+  (:func:`check_trace_shape`), and it was recorded from these models
+  (:func:`check_trace_models`, :func:`model_differences`, :func:`describe_model`) and prompts
+  (:func:`check_trace_prompts`); they raise :class:`TraceMismatchError`.
 """
 
 from __future__ import annotations
@@ -55,11 +64,21 @@ from specselect.replay.grid import (
     compare_replay,
     selector_grid,
 )
+from specselect.replay.live import compare_live, live_totals, static_oracle_row
 from specselect.replay.oracle import OracleSelector
+from specselect.replay.provenance import (
+    TraceMismatchError,
+    check_trace_models,
+    check_trace_prompts,
+    check_trace_shape,
+    model_differences,
+)
+from specselect.replay.results import MEASURED, MODELLED, ResultRow
 from specselect.replay.traces import (
     TRACE_FORMAT,
     TRACE_VERSION,
     Traces,
+    describe_model,
     greedy_continue,
     left_pad,
     load_traces,
@@ -71,6 +90,8 @@ from specselect.replay.traces import (
 
 __all__ = [
     "DEFAULT_THRESHOLD",
+    "MEASURED",
+    "MODELLED",
     "NO_ESTIMATOR",
     "RELIABILITY_BINS",
     "TRACE_FORMAT",
@@ -78,18 +99,28 @@ __all__ = [
     "OracleSelector",
     "ReplayResult",
     "ReplayStep",
+    "ResultRow",
     "SelectorConfig",
+    "TraceMismatchError",
     "Traces",
+    "check_trace_models",
+    "check_trace_prompts",
+    "check_trace_shape",
+    "compare_live",
     "compare_replay",
+    "describe_model",
     "end_of_row_logprobs",
     "greedy_continue",
     "iter_replay",
     "left_pad",
+    "live_totals",
     "load_traces",
     "match_runs",
+    "model_differences",
     "record_traces",
     "replay",
     "save_traces",
     "selector_grid",
+    "static_oracle_row",
     "traces_summary",
 ]

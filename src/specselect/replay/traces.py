@@ -31,6 +31,7 @@ __all__ = [
     "TRACE_FORMAT",
     "TRACE_VERSION",
     "Traces",
+    "describe_model",
     "greedy_continue",
     "left_pad",
     "load_traces",
@@ -309,7 +310,10 @@ def _chunked_continue(
     return tokens, logprobs
 
 
-def _describe_model(model: torch.nn.Module) -> dict[str, Any]:
+def describe_model(model: torch.nn.Module) -> dict[str, Any]:
+    """What :func:`record_traces` stores of each model (``meta["target"]``, ``meta["draft"]``):
+    its path or name, class, dtype and parameter count, so that a reuse can tell whether a trace
+    file was recorded from the models at hand (:func:`~specselect.replay.check_trace_models`)."""
     config = getattr(model, "config", None)
     return {
         "name_or_path": str(getattr(config, "_name_or_path", "") or type(model).__name__),
@@ -395,8 +399,8 @@ def record_traces(
     if bar is not None:
         bar.close()
     info = {
-        "target": _describe_model(target),
-        "draft": _describe_model(draft),
+        "target": describe_model(target),
+        "draft": describe_model(draft),
         "max_new_tokens": max_new_tokens,
         "max_k": max_k,
         "num_requests": n,

@@ -1,0 +1,148 @@
+"""Live comparisons: run ``speculative_generate`` for real and measure wall-clock goodput.
+
+Replay (:func:`~specselect.replay.compare_replay`) is exact for tokens per step and VSR but
+*models* time. :func:`compare_live` runs every configuration through the HuggingFace loop
+instead, under the conventions of the traces (greedy, no EOS stop, every request runs to
+``max_new_tokens``), in static batches of ``slots`` prompts with a fresh selector per batch,
+and times the calls. Under greedy decoding its tokens per step and VSR equal a replay with
+``refill=False`` exactly; only the seconds are new.
+
+The oracle cannot run live (it needs the true run lengths): its row is replayed in the same
+static batches, so that it bounds the live rows beside it, and its goodput stays modelled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from specselect.cost import CostModel
+from specselect.metrics import StepCounts, Totals
+from specselect.replay.engine import replay
+from specselect.replay.grid import SelectorConfig
+from specselect.replay.oracle import OracleSelector
+from specselect.replay.results import MEASURED, ResultRow
+from specselect.replay.traces import Traces, left_pad
+
+if TYPE_CHECKING:
+    from specselect.hf import TreeSpec
+
+__all__ = ["compare_live", "live_totals", "static_oracle_row"]
+
+_NO_EOS: list[int] = []
+"""Passed as ``eos_token_id``: no token stops a request, as in the traces."""
+
+_WARM_UP = SelectorConfig("fixed", 1, None, None, {"k": 1})
+"""The untimed first run of :func:`compare_live`: any cheap configuration."""
+_WARM_UP_TOKENS = 4
+
+
+def live_totals(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    prompt_ids: Sequence[Tensor],
+    config: SelectorConfig,
+    slots: int,
+    max_new_tokens: int,
+    cost_model: CostModel | None = None,
+    tree: TreeSpec | None = None,
+) -> Totals:
+    """Run ``speculative_generate`` over the prompts in static batches of ``slots``.
+
+    Greedy, no EOS stop (as the traces), one fresh selector per batch (built with
+    ``cost_model`` when it takes one). Goodput is measured: the totals' seconds are the
+    wall-clock time of the ``speculative_generate`` calls, padding and batching excluded.
+
+    Args:
+        target: HF causal LM whose output is generated.
+        draft: HF causal LM sharing its tokenizer (on any device).
+        prompt_ids: one ``[P_i]`` int64 tensor of token ids per request, not padded.
+        config: the selector configuration to run.
+        slots: prompts per batch.
+        max_new_tokens: tokens generated per request.
+        cost_model: given to selectors that take one.
+        tree: draft-tree shape; None runs chains.
+    """
+    from specselect.hf import speculative_generate
+
+    steps: list[StepCounts] = []
+    seconds = 0.0
+    device = next(target.parameters()).device
+    for start in range(0, len(prompt_ids), slots):
+        ids, mask = left_pad(prompt_ids[start : start + slots], device)  # [b, P] each
+        selector = config.build(cost_model)
+        began = time.perf_counter()
+        output = speculative_generate(
+            target,
+            draft,
+            ids,
+            mask,
+            selector=selector,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=_NO_EOS,
+            pad_token_id=0,
+            tree=tree,
+        )
+        seconds += time.perf_counter() - began
+        steps.extend(output.stats.steps)
+    return replace(Totals.of(steps), seconds=seconds)
+
+
+def static_oracle_row(
+    traces: Traces, config: SelectorConfig, slots: int, cost_model: CostModel | None = None
+) -> ResultRow:
+    """The oracle replayed in static batches (``refill=False``), as the live rows run.
+
+    A refilling replay would batch the requests differently from the live rows beside it, so
+    its bound would not be a bound for them.
+    """
+    cost_model = CostModel() if cost_model is None else cost_model
+    result = replay(traces, config.build(cost_model), slots, cost_model, refill=False)
+    return ResultRow.replayed(config, result)
+
+
+def compare_live(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    traces: Traces,
+    configs: Sequence[SelectorConfig],
+    slots: int,
+    cost_model: CostModel | None = None,
+    tree: TreeSpec | None = None,
+) -> list[ResultRow]:
+    """Live rows for every configuration on the traces' prompts; the oracle gets a replay row.
+
+    With ``tree``, every tree-capable selector also runs with a draft tree of that shape, once
+    per name, ``k`` and budget (the tree's shape, not ``extra``, sets what is drafted), next to
+    its chain rows. The traces give the prompts and ``max_new_tokens``; they should come from
+    ``target`` and ``draft`` (:func:`~specselect.replay.check_trace_models`).
+
+    A short untimed warm-up run comes first: the first forward passes of a process pay for
+    one-off initialisation, which would otherwise be charged to the first configuration.
+    """
+    prompt_ids = list(traces.prompt_ids)
+    max_new_tokens = traces.max_new_tokens
+    live_totals(target, draft, prompt_ids[:slots], _WARM_UP, slots, _WARM_UP_TOKENS, cost_model)
+    rows = []
+    trees_done: set[tuple[str, int, int | None]] = set()
+    for config in configs:
+        if config.name == OracleSelector.name:
+            rows.append(static_oracle_row(traces, config, slots, cost_model))
+            continue
+        totals = live_totals(target, draft, prompt_ids, config, slots, max_new_tokens, cost_model)
+        rows.append(ResultRow(config, totals, MEASURED))
+        tree_key = (config.name, config.k, config.budget)
+        if tree is None or tree_key in trees_done or not config.build().supports_trees:
+            continue
+        trees_done.add(tree_key)
+        tree_totals = live_totals(
+            target, draft, prompt_ids, config, slots, max_new_tokens, cost_model, tree
+        )
+        rows.append(ResultRow(config, tree_totals, MEASURED, tree=tree))
+    return rows

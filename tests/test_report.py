@@ -1,0 +1,157 @@
+"""The comparison report: table columns, merged repeats, the summary's names, plot styles."""
+
+from __future__ import annotations
+
+import pytest
+
+from specselect.cli import default_selectors
+from specselect.metrics import Totals
+from specselect.replay import MEASURED, ResultRow, SelectorConfig
+from specselect.report import (
+    _reliability_figure,
+    _style,
+    _summary_lines,
+    _tokens_figure,
+    format_table,
+    markdown_table,
+    merge_extra_repeats,
+    results_json,
+)
+
+FIXED = Totals(steps=4, active=8, verified=16, accepted=8, emitted=16, seconds=1.0)
+DSD = Totals(steps=4, active=8, verified=12, accepted=9, emitted=17, seconds=0.5)
+BINS = [{"predicted": 0.5, "observed": 0.4, "tokens": 10.0}]
+
+
+def row(
+    name: str,
+    k: int,
+    extra: int | None,
+    totals: Totals,
+    budget: int | None = None,
+    **fields: object,
+) -> ResultRow:
+    return ResultRow(SelectorConfig(name, k, extra, budget, {"k": k}), totals, **fields)  # type: ignore[arg-type]
+
+
+def slower(totals: Totals, by: float) -> Totals:
+    return Totals(
+        totals.steps,
+        totals.active,
+        totals.verified,
+        totals.accepted,
+        totals.emitted,
+        totals.seconds + by,
+    )
+
+
+def grid_rows() -> list[ResultRow]:
+    """Fixed SD, a selector identical at every extra (DSD), one that is not (threshold)."""
+    return [
+        row("fixed", 2, None, FIXED),
+        *(row("dsd", 2, extra, DSD) for extra in (1, 2, 3)),
+        *(row("threshold", 2, extra, slower(DSD, extra)) for extra in (1, 2)),
+    ]
+
+
+def table_lines(rows: list[ResultRow], name: str) -> list[str]:
+    return [line for line in format_table(rows).splitlines() if line.startswith(name + " ")]
+
+
+def test_row_holds_its_config() -> None:
+    config = SelectorConfig("tetris", 3, 2, 24, {"k": 3, "extra": 2, "budget": 24, "obj": object()})
+    result = ResultRow(config, FIXED)
+    assert (result.selector, result.k, result.extra, result.budget) == ("tetris", 3, 2, 24)
+    assert result.label == config.label == "tetris k=3 extra=2 C=24"
+    assert result.params == {"k": 3, "extra": 2, "budget": 24}  # JSON-compatible ones
+
+
+def test_repeats_over_extra_are_shown_once() -> None:
+    rows = grid_rows()
+    merged = merge_extra_repeats(rows)
+    assert [(r.selector, r.extra) for r in merged] == [
+        ("fixed", None),
+        ("dsd", None),
+        ("threshold", 1),
+        ("threshold", 2),
+    ]
+    assert [line.split()[:3] for line in table_lines(rows, "dsd")] == [["dsd", "2", "-"]]
+    assert len(table_lines(rows, "threshold")) == 2  # its goodput depends on extra: kept
+    assert len(results_json(rows, {})["rows"]) == len(rows)  # the data keeps every config
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"calibration": BINS},  # same totals, other calibration
+        {"goodput_kind": MEASURED},  # another kind of goodput
+    ],
+)
+def test_rows_that_differ_are_not_merged(other: dict) -> None:
+    rows = [row("tetris", 2, 1, DSD), row("tetris", 2, 2, DSD, **other)]
+    assert merge_extra_repeats(rows) == rows
+
+
+def test_summary_names_configurations_correctly() -> None:
+    """A selector identical at every extra is named without one; ties are all named."""
+    summary = " ".join(_summary_lines(grid_rows()))
+    assert "Highest goodput: dsd k=2 (" in summary
+    assert "dsd k=2 extra" not in summary
+    tied = [row("fixed", 2, None, FIXED), row("a", 2, 1, DSD), row("b", 2, None, DSD)]
+    assert "Highest goodput: a k=2 extra=1 = b k=2 (" in _summary_lines(tied)[0]
+
+
+def test_budget_column_only_with_budgets() -> None:
+    rows = grid_rows()
+    for table in (format_table(rows), markdown_table(rows)):
+        assert " C " not in table.splitlines()[0]
+    with_budget = [*rows, row("tetris", 2, 1, DSD, budget=12)]
+    header = markdown_table(with_budget).splitlines()[0]
+    assert "| C |" in header
+    line = table_lines(with_budget, "tetris")[0].split()
+    assert line[:4] == ["tetris", "2", "1", "12"]
+    fixed = table_lines(with_budget, "fixed")[0].split()
+    assert fixed[:4] == ["fixed", "2", "-", "-"]
+
+
+def test_every_selector_has_its_own_colour_and_marker() -> None:
+    names = [*default_selectors(), "oracle"]
+    looks = [(_style(n, names)["color"], _style(n, names)["marker"]) for n in names]
+    assert len({color for color, _ in looks}) == len(names)  # dsd and threshold included
+    many = [f"selector{i}" for i in range(30)]
+    looks = [(_style(n, many)["color"], _style(n, many)["marker"]) for n in many]
+    assert len(set(looks)) == len(many)  # beyond the palette: still no two alike
+
+
+def test_tokens_plot_says_which_point_is_which_k() -> None:
+    pytest.importorskip("matplotlib")
+    rows = [
+        row("fixed", 2, None, FIXED),
+        row("fixed", 3, None, Totals(4, 8, 24, 10, 18, 1.0)),
+        *(row("dsd", k, 1, DSD) for k in (2, 3)),  # one point for both k
+    ]
+    _, axes = _tokens_figure(rows)
+    assert sorted(t.get_text() for t in axes[0].texts) == ["k=2", "k=2,3", "k=3"]
+
+
+def test_reliability_plot_shows_coinciding_curves_and_its_k() -> None:
+    pytest.importorskip("matplotlib")
+    rows = [
+        row(n, k, 3, DSD, calibration=BINS) for n in ("tetris+draft", "tetris+none") for k in (2, 4)
+    ]
+    _, axes = _reliability_figure(rows)
+    lines = [line for line in axes[0].get_lines() if line.get_label().startswith("tetris")]
+    assert len(lines) == 2
+    draft, none = (
+        (line.get_marker(), line.get_linestyle(), line.get_markersize()) for line in lines
+    )
+    assert all(a != b for a, b in zip(draft, none, strict=True))
+    assert "k = 4, extra = 3" in axes[0].get_title()
+
+
+def test_table_lines_end_without_blanks() -> None:
+    """A row without a goodput ratio (modelled next to measured) ends in an empty cell."""
+    rows = [row("fixed", 2, None, FIXED, goodput_kind=MEASURED), row("oracle", 2, 1, DSD)]
+    lines = format_table(rows).splitlines()
+    assert lines[-1].startswith("oracle")
+    assert all(line == line.rstrip() for line in lines)
