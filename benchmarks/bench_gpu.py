@@ -52,6 +52,9 @@ from specselect import TreeSpec, make_selector
 from specselect.hf import emulate_on_cpu, release_workspace, speculative_generate
 from specselect.selectors import SELECTORS
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generate import selector_kwargs
+
 # ------------------------------------------------------------------------------ shapes
 
 TARGET_1B = {"hidden": 2048, "layers": 22, "heads": 32, "kv_heads": 4, "ffn": 5632, "vocab": 32000}
@@ -433,18 +436,6 @@ def end_to_end(
             )
     release_workspace(target)
     return runs
-
-
-def selector_kwargs(name: str, k: int) -> dict[str, Any]:
-    """Window settings of comparable size for each registered selector."""
-    table: dict[str, dict[str, Any]] = {
-        "tetris": {"k": k, "extra": 2},
-        "fixed": {"k": k},
-        "dsd": {"max_k": k + 3},
-        "threshold": {"max_k": k + 2, "threshold": 0.3},
-        "heuristic": {"k0": k, "max_k": k + 4},
-    }
-    return table.get(name, {"k": k})
 
 
 def part_b(args: argparse.Namespace, device: torch.device) -> str:

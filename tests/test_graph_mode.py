@@ -13,6 +13,8 @@ an EOS id that stops about half of the rows mid-run, and ``generate()``'s greedy
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -35,19 +37,12 @@ CONFIGS = {
 
 
 def run(target, draft, ids, mask, config: str, eos: object, **kwargs: object):
+    """speculative_generate with one of CONFIGS (MAX_NEW tokens unless given)."""
     spec, tree = CONFIGS[config]
     selector = None if spec is None else make_selector(**spec)
+    kwargs = {"max_new_tokens": MAX_NEW, "pad_token_id": PAD_ID, **kwargs}
     return speculative_generate(
-        target,
-        draft,
-        ids,
-        mask,
-        selector=selector,
-        tree=tree,
-        max_new_tokens=MAX_NEW,
-        eos_token_id=eos,
-        pad_token_id=PAD_ID,
-        **kwargs,
+        target, draft, ids, mask, selector=selector, tree=tree, eos_token_id=eos, **kwargs
     )
 
 
@@ -119,19 +114,8 @@ def count_reads(max_new_tokens: int, config: str) -> tuple[int, int]:
     """(host reads, steps) of one eager generation on the CPU."""
     target, draft = tiny_pair("llama", 0, noise=NOISE["llama"])
     ids, mask = left_padded_prompts(4, 2, 8, VOCAB, 0)
-    spec, tree = CONFIGS[config]
-    selector = None if spec is None else make_selector(**spec)
     with HostReads() as reads:
-        out = speculative_generate(
-            target,
-            draft,
-            ids,
-            mask,
-            selector=selector,
-            tree=tree,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=[],
-        )
+        out = run(target, draft, ids, mask, config, [], max_new_tokens=max_new_tokens)
     return reads.count, out.stats.totals.steps
 
 
@@ -168,18 +152,13 @@ def test_plain_decoding_takes_no_tree_and_a_draft_only_with_a_selector() -> None
 
 
 # ---------------------------------------------------------------------------------- on CUDA
-@needs_cuda
-@pytest.mark.parametrize("config", ["fixed", "tetris", "tetris-tree", "plain"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 17])
-def test_cuda_graphs_match_eager_and_generate(config: str, rows: int) -> None:
-    """fp32 on a GPU: CUDA-graph mode is token-identical to eager mode and to generate(), for
-    batches on and between buckets, with rows retiring mid-run; a repeated call replays."""
-    target, draft = (m.cuda() for m in tiny_pair("llama", 0, noise=NOISE["llama"]))
-    ids, mask = (t.cuda() for t in left_padded_prompts(rows, 1, 12, VOCAB, rows))
-    free = target.generate(
-        ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=[]
-    )
-    eos = int(free[0, ids.shape[1] + MAX_NEW // 2])  # stops row 0 (at least) mid-run
+def cuda_case(rows: int):
+    """``case("llama", 0)`` on the GPU, its prompts tiled to ``rows`` rows, with generate()'s
+    greedy output computed there (its EOS stops about half of the rows mid-run)."""
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    target, draft = (copy.deepcopy(m).cuda() for m in (target, draft))
+    tiles = -(-rows // ids.shape[0])
+    ids, mask = (t.repeat(tiles, 1)[:rows].cuda() for t in (ids, mask))
     reference = target.generate(
         ids,
         attention_mask=mask,
@@ -188,6 +167,16 @@ def test_cuda_graphs_match_eager_and_generate(config: str, rows: int) -> None:
         eos_token_id=eos,
         pad_token_id=PAD_ID,
     )
+    return target, draft, ids, mask, eos, reference
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", ["fixed", "tetris", "tetris-tree", "plain"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+def test_cuda_graphs_match_eager_and_generate(config: str, rows: int) -> None:
+    """fp32 on a GPU: CUDA-graph mode is token-identical to eager mode and to generate(), for
+    batches on and between buckets, with rows retiring mid-run; a repeated call replays."""
+    target, draft, ids, mask, eos, reference = cuda_case(rows)
     eager = run(target, draft, ids, mask, config, eos, cuda_graphs=False)
     graphed = run(target, draft, ids, mask, config, eos, cuda_graphs=True)
     again = run(target, draft, ids, mask, config, eos, cuda_graphs=True)
@@ -203,20 +192,12 @@ def test_cuda_graphs_match_eager_and_generate(config: str, rows: int) -> None:
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_cuda_one_host_read_per_step(cuda_graphs: bool) -> None:
     """On a GPU too, steps cost HOST_READS_PER_STEP reads, in eager and in graph mode."""
-    target, draft = (m.cuda() for m in tiny_pair("llama", 0, noise=NOISE["llama"]))
-    ids, mask = (t.cuda() for t in left_padded_prompts(4, 2, 8, VOCAB, 0))
+    target, draft, ids, mask, _, _ = cuda_case(4)
     counts = []
     for new in (6, 30, 30):
         with HostReads() as reads:
-            out = speculative_generate(
-                target,
-                draft,
-                ids,
-                mask,
-                selector=make_selector("fixed", k=3),
-                max_new_tokens=new,
-                eos_token_id=[],
-                cuda_graphs=cuda_graphs,
+            out = run(
+                target, draft, ids, mask, "fixed", [], max_new_tokens=new, cuda_graphs=cuda_graphs
             )
         counts.append((reads.count, out.stats.totals.steps))
     release_workspace(target)
