@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from transformers import GenerationConfig, MistralConfig, MistralForCausalLM
+from transformers import (
+    GenerationConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
 from hf_models import (
     left_padded_prompts,
@@ -81,6 +87,14 @@ def draft_with(**config_changes: Any) -> Callable[[Any], nn.Module]:
     return build
 
 
+def fractional_mask(value: float) -> torch.Tensor:
+    """A float mask of the valid prompts with one entry ``value``: an int cast would truncate
+    0.5 to 0 and 1.7 to 1 and accept it."""
+    mask = left_padded_prompts(4, 2, 6, VOCAB, 0)[1].to(torch.float32)
+    mask[0, 2] = value
+    return mask
+
+
 def sliding_window_target(models) -> nn.Module:
     config = MistralConfig(
         vocab_size=VOCAB,
@@ -89,7 +103,7 @@ def sliding_window_target(models) -> nn.Module:
         num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
-        sliding_window=16,
+        sliding_window=8,  # < the longest prompt (6) + max_new_tokens (4),
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=2,
@@ -149,6 +163,8 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
         "attention_mask must have rank 2",
     ),
     ("mask values", "attention_mask", lambda m: torch.full((4, 6), 2), ValueError, "only 0 and 1"),
+    ("fractional mask", "attention_mask", lambda m: fractional_mask(0.5), ValueError, "only 0"),
+    ("mask above 1", "attention_mask", lambda m: fractional_mask(1.7), ValueError, "only 0 and 1"),
     (
         "right padding",
         "attention_mask",
@@ -318,3 +334,15 @@ def test_prompt_ending_in_pad_without_mask_raises(models) -> None:
     ids[1, -1] = 0  # the tiny models' pad id
     with pytest.raises(ValueError, match="inferred from pad_token_id=0"):
         call(models, input_ids=ids, attention_mask=None)
+
+
+def test_positions_beyond_a_learned_table_raise_before_any_work() -> None:
+    """GPT-2 embeds positions from a table of n_positions rows: a prompt plus max_new_tokens
+    beyond it is refused up front, naming the limit (generate() fails deep in the embedding)."""
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=16)
+    target = GPT2LMHeadModel(config).eval()
+    ids, mask = left_padded_prompts(2, 4, 6, VOCAB, 0)
+    kwargs = {"selector": None, "eos_token_id": []}
+    assert speculative_generate(target, None, ids, mask, max_new_tokens=10, **kwargs)
+    with pytest.raises(ValueError, match=r"embeds at most 16 positions .* needs 17"):
+        speculative_generate(target, None, ids, mask, max_new_tokens=11, **kwargs)

@@ -21,14 +21,12 @@ from hf_models import (
 )
 from specselect import FixedWindowSelector, make_selector
 from specselect.hf import (
-    RaggedCache,
+    ModelCache,
     SamplingParams,
     TreeDrafter,
     TreeSpec,
-    forward_block,
     speculative_generate,
 )
-from specselect.hf.cache import causal_block_mask
 from specselect.hf.compat import ModelHandle
 from specselect.tree import build_tree_buffers
 from test_generate_greedy import MAX_NEW, MAX_PROMPT, SEEDS, case, row_endings
@@ -74,15 +72,15 @@ def test_one_tree_pass_equals_sequential_paths(arch: str) -> None:
     tokens = torch.randint(3, GREEDY_VOCAB, (batch, nodes), generator=gen)
     buffers = build_tree_buffers(parents)
     depth = torch.cat([torch.zeros(batch, 1, dtype=torch.int64), buffers.depth], dim=1)
-    cache = RaggedCache(batch, handle.device)
+    cache = ModelCache(handle, batch, 64)
     with torch.no_grad():
         context, valid = ids[:, :-1], mask[:, :-1].bool()
-        forward_block(handle, cache, context, valid, block_mask=causal_block_mask(valid))
+        cache.reserve(context.shape[1])
+        cache.forward(context, valid)
         cache.commit(valid)
         block = torch.cat([ids[:, -1:], tokens], dim=1)
-        logits = forward_block(
-            handle,
-            cache,
+        cache.reserve(block.shape[1])
+        logits = cache.forward(
             block,
             torch.ones_like(block, dtype=torch.bool),
             depth=depth,
@@ -113,13 +111,15 @@ def test_tree_drafter_expands_its_own_top_children(arch: str) -> None:
     ids, mask = left_padded_prompts(batch, 1, 6, GREEDY_VOCAB, 5)
     sequences = [ids[r][mask[r].bool()].tolist() for r in range(batch)]
     drafter = TreeDrafter(
-        ModelHandle.of("draft", model), batch, GREEDY_VOCAB, SamplingParams(), None
+        ModelHandle.of("draft", model), batch, 128, GREEDY_VOCAB, SamplingParams(), None
     )
+    active = torch.ones(batch, dtype=torch.bool)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         drafter.prefill(ids[:, :-1], mask[:, :-1].bool(), ids[:, -1])
         for step in range(4):
-            tree = drafter.draft_tree(spec)
+            drafter.cache.reserve(drafter.tree_footprint(spec))
+            tree = drafter.draft_tree(active, spec)
             buffers = build_tree_buffers(tree.parents)
             assert tree.tokens.shape == (batch, spec.num_nodes)
             for row in range(batch):
@@ -140,7 +140,8 @@ def test_tree_drafter_expands_its_own_top_children(arch: str) -> None:
                 (last >= 0).unsqueeze(1), buffers.paths[torch.arange(batch), last.clamp(min=0)], -1
             )
             next_token = torch.randint(3, GREEDY_VOCAB, (batch,), generator=gen)
-            drafter.advance_tree(path, last, next_token)
+            drafter.advance_tree(tree, path, last, next_token)
+            drafter.advanced(spec.depth)
             for row in range(batch):
                 node = int(last[row])
                 accepted = path_to(tree.parents[row].tolist(), node) if node >= 0 else []

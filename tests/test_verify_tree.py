@@ -18,18 +18,22 @@ ALPHA = 0.001  # significance level of every goodness-of-fit test here
 
 
 def reference_greedy(parents, tokens, selected, argmax) -> tuple[int, int]:
-    """Walk down from the root: take the lowest-index selected child matching the argmax."""
-    node, depth = -1, 0
-    while True:
-        want = argmax[node + 1]
-        match = [
-            j
-            for j in range(len(parents))
-            if parents[j] == node and selected[j] and tokens[j] == want
-        ]
-        if not match:
-            return depth, want
-        node, depth = match[0], depth + 1
+    """Walk every path from the root through selected children that match the target's argmax
+    after their parent, and end at the deepest node reached (lowest index among equals).
+
+    Siblings may hold the same token (random trees do): any matching path is the target's own
+    greedy continuation, and the deepest one accepts the most tokens.
+    """
+
+    def deepest(node: int, depth: int) -> tuple[int, int]:  # (depth, -index) of the end
+        best = (depth, -node)
+        for j in range(len(parents)):
+            if parents[j] == node and selected[j] and tokens[j] == argmax[node + 1]:
+                best = max(best, deepest(j, depth + 1))
+        return best
+
+    depth, minus_end = deepest(-1, 0)
+    return depth, argmax[-minus_end + 1]
 
 
 @st.composite

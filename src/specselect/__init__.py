@@ -14,6 +14,7 @@ from specselect.selectors import (
     TetrisSelector,
     ThresholdSelector,
 )
+from specselect.tree import TreeSpec
 
 if TYPE_CHECKING:
     from specselect.hf import SpeculativeOutput, speculative_generate
@@ -46,6 +47,7 @@ __all__ = [
     "SpeculativeOutput",
     "TetrisSelector",
     "ThresholdSelector",
+    "TreeSpec",
     "__version__",
     "available_selectors",
     "make_selector",

@@ -8,7 +8,9 @@ and, on accelerators, only when :func:`set_device_value_checks` turned them on f
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -16,6 +18,7 @@ from torch._C._functorch import is_functorch_wrapped_tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 _DEVICE_VALUE_CHECKS = False
+_TRUSTED = False
 
 
 def set_device_value_checks(enabled: bool) -> None:
@@ -26,6 +29,21 @@ def set_device_value_checks(enabled: bool) -> None:
     """
     global _DEVICE_VALUE_CHECKS
     _DEVICE_VALUE_CHECKS = bool(enabled)
+
+
+@contextlib.contextmanager
+def trusted_values() -> Iterator[None]:
+    """Skip value checks inside the block: for a loop passing tensors it made itself.
+
+    Argument checks exist for callers' tensors; in a decoding loop they would only re-read (and,
+    on the CPU, spend time on) values the loop computed. Shape and dtype checks still run.
+    """
+    global _TRUSTED
+    before, _TRUSTED = _TRUSTED, True
+    try:
+        yield
+    finally:
+        _TRUSTED = before
 
 
 def readable_eagerly(t: Tensor) -> bool:
@@ -46,7 +64,7 @@ def readable_eagerly(t: Tensor) -> bool:
 def _values_checkable(t: Tensor) -> bool:
     """Whether reading ``t``'s values is cheap and possible: readable, on the CPU (or
     anywhere, if asked for)."""
-    return readable_eagerly(t) and (t.device.type == "cpu" or _DEVICE_VALUE_CHECKS)
+    return not _TRUSTED and readable_eagerly(t) and (t.device.type == "cpu" or _DEVICE_VALUE_CHECKS)
 
 
 def check_int(name: str, value: object, *, minimum: int = 0) -> int:

@@ -117,7 +117,7 @@ def _seed(text: str) -> int:
 
 def _tree_spec(text: str) -> Any:
     """``"4,2,2"`` -> ``TreeSpec(depth=4, branch=2, width=2)`` (argparse type)."""
-    from specselect.hf.tree_draft import TreeSpec
+    from specselect import TreeSpec
 
     parts = text.split(",")
     if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):

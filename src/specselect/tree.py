@@ -29,9 +29,61 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specselect._checks import _values_checkable, check_tensor
+from specselect._checks import _values_checkable, check_int, check_tensor
 
 NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """Shape of the draft tree every row gets in tree mode (drafting:
+    :mod:`specselect.hf.tree_draft`).
+
+    Level 1 holds the ``branch`` children of the root (the last emitted token); each further
+    level expands the ``width`` nodes of the previous level with the best path scores,
+    ``branch`` children each, after one draft pass over those frontier nodes. A step thus costs
+    ``depth`` draft passes and yields :attr:`num_nodes` nodes per row.
+
+    Args:
+        depth: levels below the root (draft passes per step).
+        branch: children per expanded node.
+        width: frontier nodes expanded per level (levels 2..depth).
+        sampled_children: when sampling, draw each node's children independently from ``q``
+            (SpecInfer-style multi-candidate verification); ``False`` takes the top-``branch``
+            tokens of ``q`` instead (deterministic children, verified by recursive rejection).
+            Greedy decoding always uses the top-``branch`` tokens.
+    """
+
+    depth: int
+    branch: int
+    width: int
+    sampled_children: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "branch", "width"):
+            check_int(f"TreeSpec.{name}", getattr(self, name), minimum=1)
+        if not isinstance(self.sampled_children, bool):
+            raise TypeError(
+                "TreeSpec.sampled_children must be a bool, "
+                f"got {type(self.sampled_children).__name__}"
+            )
+
+    def level_sizes(self, depth: int | None = None) -> tuple[int, ...]:
+        """Nodes per level for the first ``depth`` levels (default: all of them)."""
+        sizes = [self.branch]
+        for _ in range(1, self.depth if depth is None else depth):
+            sizes.append(min(self.width, sizes[-1]) * self.branch)
+        return tuple(sizes[: self.depth if depth is None else depth])
+
+    @property
+    def num_nodes(self) -> int:
+        """``N``: nodes per row (the root excluded)."""
+        return sum(self.level_sizes())
+
+    def fed_nodes(self, depth: int | None = None) -> int:
+        """Frontier nodes fed to the draft in one step of the first ``depth`` levels."""
+        sizes = self.level_sizes(depth)
+        return sum(min(self.width, size) for size in sizes[:-1])
 
 
 @dataclass(frozen=True)

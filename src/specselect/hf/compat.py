@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sized
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from torch import nn
 MASKABLE_ATTENTION = ("sdpa", "eager")
 _REQUIRED_FORWARD_ARGS = ("past_key_values", "attention_mask", "position_ids")
 _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 
 
 class _VocabConfig(Protocol):
@@ -103,26 +104,42 @@ def sliding_window(model: nn.Module) -> int | None:
     return int(window)
 
 
-def check_context_fits(
-    name: str, model: nn.Module, prompt: int, max_new_tokens: int, cache_slack: int
-) -> None:
-    """Raise if a forward pass could span more columns than ``model``'s sliding window.
+def check_context_fits(name: str, model: nn.Module, longest: int) -> None:
+    """Raise if a row of ``longest`` tokens (prompt + new tokens) exceeds what ``model`` serves.
 
-    A pass sees the cache plus its own block. After a step the cache is at most the fullest
-    row's tokens (``<= prompt + max_new_tokens``) plus ``cache_slack`` holes wide, and a block
-    is at most ``max_new_tokens`` wide (the pending token and drafts no row can outrun), but
-    the row with the fullest cache and the row with the most tokens left differ: the bound
-    adds both.
+    Two limits: a learned table of absolute positions (GPT-2's ``n_positions``, OPT's
+    ``max_position_embeddings``) cannot embed positions past its end, and a sliding window
+    changes the attention once a sequence outgrows it. The loop passes its own masks, which
+    carry no window, so a row must stay within the window to see what ``generate`` sees.
+    (Rotary models have no table and extrapolate, as they do under ``generate``.)
     """
-    window = sliding_window(model)
-    longest = prompt + 2 * max_new_tokens + cache_slack
-    if window is not None and longest >= window:
+    limit = position_limit(model)
+    if limit is not None and longest > limit:
         raise ValueError(
-            f"{name} uses sliding-window attention (window {window}); with KV holes a window "
-            f"counts cache columns, not tokens, so a pass must span fewer than {window} "
-            f"columns, and this run may need {longest} (prompt {prompt} + 2 x max_new_tokens "
-            f"{max_new_tokens} + cache_slack {cache_slack})"
+            f"{name} embeds at most {limit} positions (learned absolute position embeddings), "
+            f"but the longest prompt plus max_new_tokens needs {longest}: shorten the prompt or "
+            "lower max_new_tokens"
         )
+    window = sliding_window(model)
+    if window is not None and longest > window:
+        raise ValueError(
+            f"{name} uses sliding-window attention (window {window}); the loop attends with "
+            f"full masks, so a row must stay within the window, and the longest prompt plus "
+            f"max_new_tokens needs {longest}"
+        )
+
+
+def position_limit(model: nn.Module) -> int | None:
+    """Positions a learned absolute position table can embed, or ``None`` without one.
+
+    The table is an ``nn.Embedding`` named like a position embedding (``wpe``,
+    ``embed_positions``, ``position_embeddings``); OPT's table has an ``offset`` of 2 rows.
+    """
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) and leaf in _POSITION_TABLES:
+            return int(module.num_embeddings) - int(getattr(module, "offset", 0))
+    return None
 
 
 def input_device(model: nn.Module) -> torch.device:
@@ -231,6 +248,7 @@ class ModelHandle:
     mask_kind: str  # attention implementation ("sdpa" or "eager")
     dtype: torch.dtype  # activation dtype (for additive masks)
     keeps_logits: bool  # forward() takes logits_to_keep
+    num_layers: int  # attention layers (one KV cache layer each)
 
     @classmethod
     def of(cls, name: str, model: object) -> ModelHandle:
@@ -244,4 +262,29 @@ class ModelHandle:
             mask_kind=attention_implementation(module),
             dtype=weight.dtype if weight is not None else torch.float32,
             keeps_logits=supports_logits_to_keep(module),
+            num_layers=num_layers(module),
         )
+
+
+def num_layers(model: nn.Module) -> int:
+    """Decoder layers of ``model`` (``num_hidden_layers`` of its text config)."""
+    config: Any = model.config
+    get_text_config = getattr(config, "get_text_config", None)
+    text_config = get_text_config() if get_text_config is not None else config
+    return int(text_config.num_hidden_layers)
+
+
+def graph_obstacle(model: nn.Module, name: str) -> str | None:
+    """Why ``model`` cannot run in CUDA graphs, or ``None`` if it can.
+
+    A captured pass replays fixed kernels on fixed memory: every weight must sit on one CUDA
+    device (no CPU offloading or multi-device ``device_map``).
+    """
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    if len(devices) != 1:
+        listed = ", ".join(sorted(str(d) for d in devices))
+        return f"{name}'s weights are spread over several devices ({listed})"
+    device = next(iter(devices))
+    if device.type != "cuda":
+        return f"{name} is on {device}, not on a CUDA device"
+    return None

@@ -1,12 +1,16 @@
-"""Chain drafting: ``k`` autoregressive draft passes for every active row at once.
+"""Chain drafting: ``k`` autoregressive draft passes for every slot at once.
 
-The draft model keeps its own :class:`~specselect.hf.cache.RaggedCache`. Its cache lags the
+The draft model keeps its own :class:`~specselect.hf.kv.ModelCache`. Its cache lags the
 sequence by a short *backlog* of tokens it has not processed yet: always the pending token (the
 target's last correction or bonus token), plus the last draft token of a row that accepted all
 ``k`` drafts — the draft proposed that token from its previous pass but never ran on it. The
-first draft pass of a step feeds the whole backlog (right-aligned, holes on the left, so the last
-column is every row's pending token), each later pass feeds the token just drafted. Steps that
-draft nothing (``k = 0``) let the backlog grow; the next pass absorbs it like a small prefill.
+first draft pass of a step feeds the whole backlog (holes where a row has fewer tokens, the last
+valid column being every row's pending token), each later pass feeds the token just drafted.
+Steps that draft nothing (``k = 0``) let the backlog grow by the pending token; the next pass
+absorbs it like a small prefill (and a backlog :data:`MAX_BACKLOG` wide is absorbed at once).
+
+The backlog is a buffer of static width whose first ``width`` columns are in use; ``width`` is a
+host int (2 after a drafting step), part of a drafting stage's capture key.
 
 Token choice and its probabilities use :mod:`specselect.sampling`, with the same processing the
 target's distributions get at verification, which is what keeps sampling lossless.
@@ -20,11 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specselect.hf.cache import RaggedCache, causal_block_mask, forward_block
 from specselect.hf.compat import ModelHandle
+from specselect.hf.kv import ModelCache
 from specselect.sampling import logits_to_probs, sample_from
 
 NEG_INF = float("-inf")
+
+#: Backlog columns a drafter keeps before it absorbs them in a pass of their own.
+MAX_BACKLOG = 16
 
 
 @dataclass(frozen=True)
@@ -102,7 +109,8 @@ class ChainDrafter:
 
     Args:
         handle: the checked draft model.
-        batch: rows.
+        slots: rows allocated.
+        capacity: columns per row of the draft's cache.
         vocab: the target's logit width (draft logits are aligned to it).
         params: token choice, identical to the target's.
         generator: RNG on the draft's device (sampling only).
@@ -111,62 +119,87 @@ class ChainDrafter:
     def __init__(
         self,
         handle: ModelHandle,
-        batch: int,
+        slots: int,
+        capacity: int,
         vocab: int,
         params: SamplingParams,
         generator: torch.Generator | None,
     ) -> None:
+        device = handle.device
         self.handle = handle
-        self.cache = RaggedCache(batch, handle.device)
+        self.cache = ModelCache(handle, slots, capacity)
         self.vocab = vocab
         self.params = params
         self.generator = generator
-        self.backlog = torch.zeros(batch, 0, dtype=torch.int64, device=handle.device)  # [B, F]
-        self.backlog_valid = torch.zeros(batch, 0, dtype=torch.bool, device=handle.device)
-        self._last: Tensor | None = None  # [B] the last drafted token (never fed to the draft)
+        self.backlog = torch.zeros(slots, MAX_BACKLOG, dtype=torch.int64, device=device)
+        self.backlog_valid = torch.zeros(slots, MAX_BACKLOG, dtype=torch.bool, device=device)
+        self.width = 0  # backlog columns in use (host)
 
+    # ------------------------------------------------------------------ eager
     def prefill(
         self,
-        context: Tensor,  # [B, P] int64
-        context_valid: Tensor,  # [B, P] bool
-        pending: Tensor,  # [B] int64
+        context: Tensor,  # [S, P] int64
+        context_valid: Tensor,  # [S, P] bool
+        pending: Tensor,  # [S] int64
     ) -> None:
         """Process the prompt except its last token, which becomes the backlog."""
+        self.cache.reset()
         if context.shape[1]:
-            forward_block(
-                self.handle,
-                self.cache,
-                self._embeddable(context),
-                context_valid,
-                block_mask=causal_block_mask(context_valid),
-                last_only=True,
-            )
+            self.cache.reserve(context.shape[1])
+            self.cache.forward(self._embeddable(context), context_valid, last_only=True)
             self.cache.commit(context_valid)
-        self.backlog = pending.unsqueeze(1)
-        self.backlog_valid = torch.ones_like(self.backlog, dtype=torch.bool)
+        rows = pending.shape[0]
+        self.backlog[:rows, 0] = pending
+        self.backlog_valid[:rows] = False
+        self.backlog_valid[:rows, 0] = True
+        self.width = 1
 
-    def draft(self, k: int) -> DraftChain:
-        """Draft ``k`` tokens per row in ``k`` forward passes (the first one feeds the backlog)."""
-        batch, device = self.cache.batch, self.handle.device
-        if k == 0:
-            probs = (
-                torch.zeros(batch, 0, self.vocab, device=device) if self.params.do_sample else None
-            )
-            empty = torch.zeros(batch, 0, device=device)
-            return DraftChain(empty.to(torch.int64), empty, probs)
+    def footprint(self, k: int) -> int:
+        """Cache columns a step drafting ``k`` tokens writes (the backlog, then ``k - 1``)."""
+        return self.width + k - 1 if k else 0
+
+    def must_absorb(self, k: int) -> bool:
+        """Whether a step drafting ``k`` tokens must first absorb a full backlog."""
+        return k == 0 and self.width == MAX_BACKLOG
+
+    def absorb(self, rows: int) -> None:
+        """Feed the whole backlog to the draft (a step that drafts nothing, when the backlog is
+        full); the next pending token starts a new backlog. Eager, and rare."""
+        self.cache.reserve(self.width)
+        valid = self.backlog_valid[:rows, : self.width]
+        tokens = self._embeddable(self.backlog[:rows, : self.width])
+        self.cache.forward(tokens, valid, last_only=True)
+        self.cache.commit(valid)
+        self.width = 0
+
+    def advanced(self, k: int) -> None:
+        """Host side of :meth:`advance`: the backlog's new width."""
+        self.width = 2 if k else self.width + 1
+
+    def keep_rows(self, rows: Tensor, width: int) -> None:
+        """Keep only ``rows`` (``[B']`` int64, moved to the front) and compact the cache."""
+        self.cache.compact(rows, width)
+        kept = rows.shape[0]
+        self.backlog[:kept] = self.backlog.index_select(0, rows)
+        self.backlog_valid[:kept] = self.backlog_valid.index_select(0, rows)
+
+    # ------------------------------------------------------------------ inside stages
+    def draft(self, active: Tensor, k: int) -> DraftChain:  # active [b] bool
+        """Draft ``k >= 1`` tokens per slot in ``k`` forward passes (the first feeds the backlog).
+
+        Inactive slots feed holes. Device work only.
+        """
+        rows = active.shape[0]
+        feed = self.backlog[:rows, : self.width]
+        feed_valid = self.backlog_valid[:rows, : self.width] & active.unsqueeze(1)
+        depth = None
+        base = feed_valid.sum(dim=1, keepdim=True)  # [b, 1] depth of the first draft token
         tokens: list[Tensor] = []
         logprobs: list[Tensor] = []
-        step_probs: list[Tensor] = []  # one [B, V] per pass (sampling only)
-        feed, feed_valid, depth = self.backlog, self.backlog_valid, None
-        base = self.backlog_valid.sum(dim=1, keepdim=True)  # [B, 1] depth of the first draft token
+        step_probs: list[Tensor] = []  # one [b, V] per pass (sampling only)
         for j in range(k):
-            logits = forward_block(
-                self.handle,
-                self.cache,
-                self._embeddable(feed),
-                feed_valid,
-                depth=depth,
-                last_only=True,
+            logits = self.cache.forward(
+                self._embeddable(feed), feed_valid, depth=depth, last_only=True
             )
             token, logprob, prob = pick_tokens(
                 align_vocab(logits[:, -1], self.vocab), self.params, self.generator
@@ -175,43 +208,34 @@ class ChainDrafter:
             logprobs.append(logprob)
             if prob is not None:
                 step_probs.append(prob)
-            if j + 1 < k:
-                feed, depth = token.unsqueeze(1), base + j
-                feed_valid = torch.ones_like(feed, dtype=torch.bool)
-        self._last = tokens[-1]
+            feed, depth = token.unsqueeze(1), base + j
+            feed_valid = active.unsqueeze(1)
         stacked = torch.stack(step_probs, dim=1) if self.params.do_sample else None
         return DraftChain(torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), stacked)
 
-    def advance(self, k: int, num_accepted: Tensor, next_token: Tensor) -> None:
-        """Commit the accepted drafts and set the next backlog.
-
-        Args:
-            k: tokens drafted this step.
-            num_accepted: ``[B]`` accepted draft tokens per row (on the draft's device).
-            next_token: ``[B]`` the target's correction or bonus token (on the draft's device).
-        """
-        pending = next_token.unsqueeze(1)
+    def advance(
+        self,
+        k: int,
+        tokens: Tensor,  # [b, k] int64 this step's drafts
+        num_accepted: Tensor,  # [b] on the draft's device
+        next_token: Tensor,  # [b] on the draft's device
+    ) -> None:
+        """Commit the accepted drafts and set the next backlog (device work only)."""
+        rows = next_token.shape[0]
         if k == 0:  # the draft ran nothing: the backlog just grows
-            self.backlog = torch.cat([self.backlog, pending], dim=1)
-            self.backlog_valid = torch.cat(
-                [self.backlog_valid, torch.ones_like(pending, dtype=torch.bool)], dim=1
-            )
+            self.backlog[:rows, self.width] = next_token
+            self.backlog_valid[:rows, self.width].fill_(True)
             return
         fed = torch.arange(k - 1, device=num_accepted.device)  # drafts 0..k-2 were fed back
+        backlog_valid = self.backlog_valid[:rows, : self.width]
         self.cache.commit(
-            torch.cat([self.backlog_valid, fed.unsqueeze(0) < num_accepted.unsqueeze(1)], dim=1)
+            torch.cat([backlog_valid, fed.unsqueeze(0) < num_accepted.unsqueeze(1)], dim=1)
         )
         unseen = num_accepted == k  # the last draft was accepted but never fed
-        assert self._last is not None
-        self.backlog = torch.stack([torch.where(unseen, self._last, 0), next_token], dim=1)
-        self.backlog_valid = torch.stack([unseen, torch.ones_like(unseen)], dim=1)
-
-    def keep_rows(self, rows: Tensor | None, width: int) -> None:
-        """Keep only ``rows`` (``[B']`` int64, or ``None`` for all) and compact the cache."""
-        self.cache.compact(rows, width)
-        if rows is not None:
-            self.backlog = self.backlog.index_select(0, rows)
-            self.backlog_valid = self.backlog_valid.index_select(0, rows)
+        self.backlog[:rows, 0] = torch.where(unseen, tokens[:, k - 1], 0)
+        self.backlog[:rows, 1] = next_token
+        self.backlog_valid[:rows, 0] = unseen
+        self.backlog_valid[:rows, 1].fill_(True)
 
     def _embeddable(self, tokens: Tensor) -> Tensor:  # [B, W] -> [B, W]
         """Clamp ids to the draft's embedding rows.

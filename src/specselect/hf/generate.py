@@ -1,97 +1,77 @@
 """Batched speculative generation for HuggingFace causal LMs, lossless, with any selector.
 
-One *step* for the ``B_a`` active rows (finished rows are dropped from both models' batches, so
-they cost nothing; the selector keeps seeing the full batch with ``active`` flags, so per-row
-selector state stays aligned with the caller's rows):
+One *step* for every active row (:mod:`specselect.hf.steps` has the details):
 
-1. ``k = selector.draft_length(B_a)``, capped at what any row can still emit; the draft proposes
-   ``k`` tokens per row in ``k`` forward passes (:class:`~specselect.hf.draft.ChainDrafter`)
-   and its tokens and log-probabilities (plus ``q`` when sampling) move to the target's device,
-   where selection and verification run.
-2. Draft positions that could not be emitted get ``-inf`` log-probability: ``j >= remaining - 1``
-   (the end-of-row convention shared with trace replay) and every position after a drafted EOS.
-3. ``selection = selector.select(draft_logprobs, active)``. When sampling, the selector sees
-   causal scores (:func:`~specselect.scores.causal_logprobs`) instead of the raw log q: judging
-   a sampled token by its own probability would bias the output.
-4. One target pass over ``[pending token, selected drafts]``, rows padded to the longest
-   selection (padding columns become KV holes).
-5. :func:`~specselect.verify.greedy_verify` or :func:`~specselect.verify.rejection_verify`;
-   each row emits its accepted drafts plus the target's token (cut after an EOS); both caches
-   keep the accepted tokens' entries, the rest become holes.
-6. ``selector.update(selection, num_accepted)``; rows that emitted EOS or reached
-   ``max_new_tokens`` retire; caches are compacted when the fullest row has more than
-   ``cache_slack`` holes (so a cache is never wider than ``max(valid) + cache_slack`` after a
-   step).
+1. ``k = selector.draft_length(active rows)``, capped at what any row can still emit; the
+   draft proposes ``k`` tokens per row in ``k`` forward passes
+   (:class:`~specselect.hf.draft.ChainDrafter`), or one tree per row
+   (:class:`~specselect.hf.tree_draft.TreeDrafter`). Positions that could not be emitted
+   (``j >= remaining - 1``, and everything after a drafted EOS) get ``-inf`` scores.
+2. ``selection = selector.select(scores, active)``. When sampling, the selector sees causal
+   scores (:func:`~specselect.scores.causal_logprobs`) instead of the raw log q: judging a
+   sampled token by its own probability would bias the output.
+3. One target pass over the pending token and all ``k`` drafts (or the tree's nodes), the
+   unselected ones as holes: a static width, so the host needs no sync to know it.
+4. Greedy or lossless sampling verification; each row emits its accepted drafts plus the
+   target's token (cut after an EOS); both caches keep the accepted tokens' entries, the rest
+   become holes.
+5. ``selector.update(selection, num_accepted)``, then ONE read-back (finished flags and
+   counts) on which the host retires rows and plans the next step.
 
-With ``tree=TreeSpec(...)`` a step drafts one tree per row instead
-(:class:`~specselect.hf.tree_draft.TreeDrafter`), the selector picks tree nodes (``parents=``),
-the target runs once over the root and the selected nodes with the tree mask, and
-:func:`~specselect.verify_tree.tree_greedy_verify` or
-:func:`~specselect.verify_tree.tree_rejection_verify` picks the accepted path; emission,
-statistics, retiring and compaction are shared with chain steps.
+Both models keep static KV caches (:mod:`specselect.hf.kv`) preallocated for the whole call:
+``prompt + max_new_tokens + cache_slack`` columns per row, compacted in place between steps
+when the next step would not fit. Rows live in *slots*; finished rows leave the batch (in graph
+mode, once the active rows fit a smaller batch bucket; until then they ride along as inactive
+slots). The draft and verify passes of a step are *stages* that read every position from device
+tensors, so with ``cuda_graphs`` each stage is captured once per (bucket, widths) in a CUDA graph
+and replayed (:mod:`specselect.hf.graphs`). Eager and graph mode run the same code.
 
-This module is the entry point: :func:`speculative_generate`, its argument checks, its output
-(:class:`SpeculativeOutput`; :class:`GenerationStats` is re-exported from
-:mod:`specselect.hf.step_state`) and the driver ``_Loop`` (prefill, then one step after
-another). A chain step (1 to 6 above) is :class:`~specselect.hf.chain_step.ChainSteps`, a tree
-step :class:`~specselect.hf.tree_step.TreeSteps`; what both share (the generation state,
-emission, the read-back, statistics, retiring and compaction) is
-:class:`~specselect.hf.step_state.StepState`.
+Host syncs per step: exactly one, the read-back of a ``[6, slots]`` int64 report into pinned
+memory (``GenerationState.read_back``): which rows finished, the per-row statistics, and both
+caches' valid counts (for compaction). Everything else stays on the device. transformers adds
+no reads of its own, because every pass gets a 4D attention mask. Selectors may sync on their
+own (DSD reads its acceptance statistics every ``interval`` steps), and argument checks read
+values only for CPU tensors outside the loop (:mod:`specselect._checks`; the loop switches them
+off for the tensors it makes itself). Setup adds a few one-off reads (prompt checks, a seed for
+a generator of another device, the prompts' lengths).
 
-Host syncs per step (everything else stays on the device):
-
-* **the verify width** — ``int(max(selected lengths))`` after selection (``ChainSteps._step``,
-  ``TreeSteps._tree_step``). The target pass must have a concrete shape; a static width of
-  ``k + 1`` would avoid the sync but verify padding for every row whenever the selector chose
-  short windows.
-* **one small read-back after verification** — a ``[6, B_a]`` int64 tensor (finished flags,
-  selected, accepted and written counts, and both caches' valid counts) in one ``.tolist()``
-  (``StepState._finish_step``): which rows retire (their rows must leave the batch), how many
-  stay active (the next ``draft_length`` takes a Python int), the per-step statistics, and
-  whether to compact.
-
-Outside specselect's own code, transformers may add reads of its own: with SDPA attention and
-a 2D attention mask it checks on the host whether the mask can be dropped
-(``_ignore_causal_mask_sdpa``), once per chain draft pass after the first and per target pass
-one column wide. Eager attention and tree passes (which pass 4D masks) do not.
-
-Selectors may sync on their own (DSD reads its acceptance statistics every ``interval`` steps),
-and argument checks read values only for CPU tensors (:mod:`specselect._checks`). Setup adds a
-few one-off syncs: prompt checks (:func:`check_prompts`), a seed drawn from ``generator`` for a
-device of another type (:func:`split_generator`) and one read after the prefill
-(``_Loop._prefill``, so its time is not billed to the first step). Cache widths come from
-tensor shapes and need no sync.
-
-Time is split at the sync points: ``draft_seconds`` (drafting and selection, up to the width
-read), ``verify_seconds`` (target pass, verification, bookkeeping, up to the read-back) and
-``other_seconds`` (retiring rows and compaction); ``prefill_seconds`` is the prompt pass.
+Plain decoding: ``selector=None`` decodes one token per step with the same caches, stages and
+graphs (no draft model needed), so speculation's own gain is measured against a baseline that
+shares every other cost.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sized
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from specselect._checks import check_int, check_tensor
-from specselect.hf.cache import RaggedCache, causal_block_mask, forward_block
-from specselect.hf.chain_step import ChainSteps
-from specselect.hf.compat import ModelHandle, check_context_fits, check_pair
+from specselect._checks import check_int, check_tensor, trusted_values
+from specselect.hf.compat import ModelHandle, check_context_fits, check_pair, graph_obstacle
 from specselect.hf.draft import ChainDrafter
-from specselect.hf.options import resolve_options
-from specselect.hf.step_state import GenerationStats
-from specselect.hf.tree_draft import TreeDrafter, TreeSpec
-from specselect.hf.tree_step import TreeSteps
+from specselect.hf.graphs import Mode, StageRunner, bucket_for, emulating_on_cpu
+from specselect.hf.options import UNSET, GenerationOptions, resolve_options
+from specselect.hf.state import GenerationState, GenerationStats, Layout, PhaseClock
+from specselect.hf.steps import ChainStep, Step, TreeStep
+from specselect.hf.tree_draft import TreeDrafter
 from specselect.metrics import Totals
 from specselect.sampling import check_generator
 from specselect.selection import Selector
+from specselect.tree import TreeSpec
 
-#: Default hole budget of the fullest row before a cache is compacted.
+_REGISTER = "register_generator_state"
+
+#: Host reads (syncs on an accelerator) per step of the loop itself: the read-back.
+HOST_READS_PER_STEP = 1
+
+#: Default cache columns per row beyond prompt + max_new_tokens (holes between compactions).
 DEFAULT_CACHE_SLACK = 64
 
 
@@ -105,17 +85,17 @@ class SpeculativeOutput:
 
 def speculative_generate(
     target: torch.nn.Module,
-    draft: torch.nn.Module,
+    draft: torch.nn.Module | None,
     input_ids: Tensor,  # [B, P] int64
     attention_mask: Tensor | None = None,  # [B, P] 0/1
     *,
-    selector: Selector,
+    selector: Selector | None,
     max_new_tokens: int | None = None,
     do_sample: bool | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
-    eos_token_id: int | list[int] | None = None,
+    eos_token_id: Any = UNSET,
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
     generation_config: GenerationConfig | None = None,
@@ -123,6 +103,7 @@ def speculative_generate(
     tokenizer: Sized | None = None,
     cache_slack: int = DEFAULT_CACHE_SLACK,
     tree: TreeSpec | None = None,
+    cuda_graphs: bool | None = None,
 ) -> SpeculativeOutput:
     """Generate with ``target``, drafting with ``draft``, verifying what ``selector`` chooses.
 
@@ -133,12 +114,14 @@ def speculative_generate(
 
     Args:
         target: HF causal LM (``attn_implementation`` ``"sdpa"`` or ``"eager"``).
-        draft: HF causal LM sharing ``target``'s tokenizer; may sit on another device.
+        draft: HF causal LM sharing ``target``'s tokenizer; may sit on another device. Unused
+            (and may be ``None``) with ``selector=None``.
         input_ids: ``[B, P]`` left-padded prompts, ``B >= 1``.
         attention_mask: ``[B, P]`` 0/1; every row's last column must be 1. Default, as in
             ``generate``: ``input_ids != pad_token_id`` when the pad id is set and is not an EOS
             id, else all ones.
-        selector: any :class:`~specselect.selection.Selector`; it is ``reset()`` first.
+        selector: any :class:`~specselect.selection.Selector` (it is ``reset()`` first), or
+            ``None`` for plain autoregressive decoding with the same caches and graphs.
         max_new_tokens: new tokens per row (default: ``generation_config``'s, else 20).
         do_sample: sample instead of greedy decoding.
         temperature: sampling temperature, applied identically to both models (as are the
@@ -146,7 +129,8 @@ def speculative_generate(
         top_k: keep the ``top_k`` most likely tokens when sampling (unset anywhere: 50, as in
             ``generate``; 0 keeps every token).
         top_p: nucleus sampling threshold.
-        eos_token_id: id or ids that end a row (``[]``: none; ``None``: the config's).
+        eos_token_id: id or ids that end a row. Not given: the configs' (as ``generate``);
+            ``None`` or ``[]``: no EOS (as ``generate`` with an explicit ``None``).
         pad_token_id: fills rows after their EOS (default: the config's, else the first EOS).
         generator: ``torch.Generator`` for sampling (another device gets a generator seeded
             from it).
@@ -156,23 +140,31 @@ def speculative_generate(
         progress: show a tqdm bar of generated tokens.
         tokenizer: only needed when the models' vocabulary sizes differ (padding rows): its
             ``len()`` is the shared vocabulary both must cover.
-        cache_slack: holes allowed in the fullest row of a cache before it is compacted.
-        tree: draft a tree per row instead of a chain (:class:`~specselect.hf.TreeSpec`); the
-            selector must support trees (``supports_trees``: TETRIS, fixed), and its budget
-            counts tree nodes (the root excluded).
+        cache_slack: cache columns per row beyond ``prompt + max_new_tokens``; the caches are
+            compacted when a step would not fit, so more slack means fewer compactions.
+        tree: draft a tree per row instead of a chain (:class:`~specselect.TreeSpec`), at
+            most ``selector.draft_length()`` deep; the selector must support trees
+            (``supports_trees``), and its budget counts tree nodes (the root excluded).
+        cuda_graphs: capture the draft and verify passes in CUDA graphs and replay them.
+            ``None`` (default): when both models sit on one CUDA device each; ``True``: required
+            (raises, saying why, where impossible); ``False``: eager.
 
     Returns:
         :class:`SpeculativeOutput` with ``sequences`` and :class:`GenerationStats`.
     """
-    t_handle, d_handle = ModelHandle.of("target", target), ModelHandle.of("draft", draft)
+    t_handle = ModelHandle.of("target", target)
+    d_handle = None if selector is None else ModelHandle.of("draft", draft)
     if tokenizer is not None and not isinstance(tokenizer, Sized):
         raise TypeError(
             "tokenizer must be a tokenizer (or any object with a len(): the shared vocabulary "
             f"size) or None, got {type(tokenizer).__name__}"
         )
-    check_pair(t_handle.model, d_handle.model, tokenizer)
-    if not isinstance(selector, Selector):
-        raise TypeError(f"selector must be a specselect Selector, got {type(selector).__name__}")
+    if d_handle is not None:
+        check_pair(t_handle.model, d_handle.model, tokenizer)
+    if selector is not None and not isinstance(selector, Selector):
+        raise TypeError(
+            f"selector must be a specselect Selector or None, got {type(selector).__name__}"
+        )
     cache_slack = check_int("cache_slack", cache_slack)
     check_tree_mode(tree, selector)
     options = resolve_options(
@@ -194,35 +186,68 @@ def speculative_generate(
         raise ValueError(
             f"TreeSpec.branch ({tree.branch}) exceeds the vocabulary size ({t_handle.vocab})"
         )
+    longest = int(attention_mask.sum(dim=1).max()) + options.max_new_tokens
     for name, handle in (("target", t_handle), ("draft", d_handle)):
-        check_context_fits(
-            name, handle.model, input_ids.shape[1], options.max_new_tokens, cache_slack
-        )
-    generators = split_generator(generator, t_handle.device, d_handle.device)
-    selector.reset()
+        if handle is not None:
+            check_context_fits(name, handle.model, longest)
+    devices = [t_handle.device] + ([d_handle.device] if d_handle is not None else [])
+    generators = split_generator(generator, *devices)
+    mode = graph_mode(cuda_graphs, t_handle, d_handle, generators.values())
+    if selector is not None:
+        selector.reset()
     # no_grad rather than inference_mode: returned tensors stay ordinary tensors that callers may
-    # modify in place, as with generate().
-    with torch.no_grad():
-        loop = _Loop(t_handle, d_handle, selector, options, generators, cache_slack, tree)
+    # modify in place, as with generate(). Value checks are off for the tensors the loop makes.
+    with torch.no_grad(), trusted_values():
+        loop = _Loop(t_handle, d_handle, selector, options, generators, cache_slack, tree, mode)
         return loop.run(input_ids, attention_mask, progress)
 
 
-def check_tree_mode(tree: object, selector: Selector) -> None:
+def graph_mode(
+    cuda_graphs: object,
+    target: ModelHandle,
+    draft: ModelHandle | None,
+    generators: Any,
+) -> Mode:
+    """``"cuda"``, ``"eager"`` (or ``"trace"`` under :func:`~specselect.hf.graphs.
+    emulate_on_cpu`) for the ``cuda_graphs`` argument; raises if ``True`` cannot be served."""
+    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+        raise TypeError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
+    if cuda_graphs is False:
+        return "eager"
+    if emulating_on_cpu():
+        return "trace"
+    handles = [("target", target)] + ([("draft", draft)] if draft is not None else [])
+    reasons = [graph_obstacle(h.model, name) for name, h in handles]
+    reason = next((r for r in reasons if r is not None), None)
+    user_generator = any(g is not None for g in generators)
+    if reason is None and user_generator and not hasattr(torch.cuda.CUDAGraph, _REGISTER):
+        reason = f"torch {torch.__version__} cannot replay a user generator in a CUDA graph"
+    if reason is None:
+        return "cuda"
+    if cuda_graphs:
+        raise ValueError(f"cuda_graphs=True, but {reason}; pass cuda_graphs=False (or None)")
+    return "eager"
+
+
+def check_tree_mode(tree: object, selector: Selector | None) -> None:
     """Raise unless ``tree`` is ``None`` or a :class:`TreeSpec` that ``selector`` can serve.
 
-    Tree mode ranks draft-tree nodes, which only selectors with ``supports_trees`` can do;
-    acceptance estimators and the ranking guard learn from the accepted path, which the loop
-    passes to ``selector.update(..., accepted_nodes=...)``.
+    Tree mode ranks draft-tree nodes, which selectors with ``supports_trees`` do (every
+    registered one); they learn from the accepted path, which the loop passes to
+    ``selector.update(..., accepted_nodes=...)``. ``selector.draft_length()`` caps the depth of
+    each step's trees.
     """
     if tree is None:
         return
     if not isinstance(tree, TreeSpec):
         raise TypeError(f"tree must be a TreeSpec or None, got {type(tree).__name__}")
+    if selector is None:
+        raise ValueError("tree mode drafts trees, which plain decoding (selector=None) has none of")
     if not selector.supports_trees:
         raise TypeError(
             f"tree mode needs a selector that selects draft-tree nodes; "
-            f"{type(selector).__name__} does not (supports_trees is False): use 'tetris' or "
-            "'fixed'"
+            f"{type(selector).__name__} does not (supports_trees is False); every registered "
+            "selector does (specselect.available_selectors())"
         )
 
 
@@ -256,9 +281,13 @@ def check_prompts(
                 f"attention_mask must have the shape of input_ids {tuple(ids.shape)}, "
                 f"got {tuple(mask.shape)}"
             )
+    # Compare before any conversion: an integer cast would truncate 0.5 to 0 and 1.7 to 1.
+    if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(
+            "attention_mask must contain only 0 and 1 (in any dtype; fractions such as 0.5 are "
+            "not a mask)"
+        )
     ids, mask = ids.to(target.device, torch.int64), mask.to(target.device, torch.int64)
-    if not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError("attention_mask must contain only 0 and 1")
     if inferred and not bool(mask[:, -1].all()):
         raise ValueError(
             f"attention_mask is None, so it is inferred from pad_token_id={mask_pad_token_id} as "
@@ -297,89 +326,156 @@ def split_generator(
     return result
 
 
-class _Loop(ChainSteps, TreeSteps):
-    """One generation's driver: setup, the prefill and the step loop.
+@dataclass
+class _Workspace:
+    """A generation state and its captured graphs, kept on the target for the next call."""
 
-    The state and the bookkeeping shared by both step kinds come from
-    :class:`~specselect.hf.step_state.StepState`; a chain step is
-    :meth:`~specselect.hf.chain_step.ChainSteps._step`, a tree step
-    :meth:`~specselect.hf.tree_step.TreeSteps._tree_step`.
+    key: tuple[Any, ...]  # what the captured code depends on besides the layout
+    draft: weakref.ReferenceType[torch.nn.Module] | None
+    state: GenerationState
+    runner: StageRunner
+
+
+#: Graph-mode workspaces by target model (one each): captures are costly, so a later call of the
+#: same shape replays them. Eager mode allocates per call and keeps nothing.
+_WORKSPACES: weakref.WeakKeyDictionary[torch.nn.Module, _Workspace] = weakref.WeakKeyDictionary()
+
+
+def release_workspace(target: torch.nn.Module) -> None:
+    """Free the caches, buffers and CUDA graphs kept for ``target`` by graph-mode calls.
+
+    ``speculative_generate(..., cuda_graphs=...)`` keeps them so that the next call of a
+    compatible shape replays its graphs instead of capturing them again; they are also freed
+    when ``target`` is, or replaced by an incompatible call.
     """
+    _WORKSPACES.pop(target, None)
 
-    # ----------------------------------------------------------------- setup and driver
+
+class _Loop:
+    """One generation: setup, the prefill, and one step after another."""
+
+    def __init__(
+        self,
+        target: ModelHandle,
+        draft: ModelHandle | None,
+        selector: Selector | None,
+        options: GenerationOptions,
+        generators: dict[torch.device, torch.Generator | None],
+        cache_slack: int,
+        tree: TreeSpec | None,
+        mode: Mode,
+    ) -> None:
+        self.target, self.draft, self.selector = target, draft, selector
+        self.options, self.generators = options, generators
+        self.slack, self.tree, self.mode = cache_slack, tree, mode
+
     def run(self, input_ids: Tensor, attention_mask: Tensor, progress: bool) -> SpeculativeOutput:
-        batch, max_new = input_ids.shape[0], self.options.max_new_tokens
-        self.batch = batch
-        self.out = torch.full(
-            (batch, max_new + 1), self.options.pad_token_id, dtype=torch.int64, device=self.device
-        )  # last column: scratch for tokens that are not written
-        self.row_ids = list(range(batch))  # host copy of self.rows
-        self.rows = torch.arange(batch, device=self.device)  # [B_a]
-        self.active_full: Tensor | None = None  # [B] flags for the selector; None = all active
-        self.generated = torch.zeros(batch, dtype=torch.int64, device=self.device)  # [B_a]
-        self.generated_host = [0] * batch
-        self.per_row = {name: [0] * batch for name in ("verified", "accepted", "emitted", "steps")}
-        if max_new > 0:
+        state, runner = self._workspace(input_ids)
+        captured = runner.captures
+        state.start(self.options, input_ids.shape[0])
+        clock = PhaseClock(self.target.device, phases=3)
+        generator = self.generators[self.target.device]
+        args = (state, runner, self.selector, self.options.sampling, generator, clock)
+        step = ChainStep(*args) if self.tree is None else TreeStep(*args, tree=self.tree)
+        if self.options.max_new_tokens > 0:
             start = time.perf_counter()
-            self._prefill(input_ids, attention_mask)
-            self.stats.prefill_seconds = time.perf_counter() - start
-            self._steps(progress)
-        new = max(self.generated_host)
-        self.stats.verified, self.stats.accepted, self.stats.emitted = (
-            torch.tensor(self.per_row[name]) for name in ("verified", "accepted", "emitted")
+            self._prefill(state, input_ids, attention_mask)
+            state.stats.prefill_seconds = time.perf_counter() - start
+            self._steps(state, step, progress)
+        stats = state.stats
+        stats.draft_seconds, stats.select_seconds, stats.verify_seconds = clock.totals()
+        stats.captures, stats.mode = runner.captures - captured, self.mode
+        return SpeculativeOutput(state.result(input_ids), stats)
+
+    def _workspace(self, input_ids: Tensor) -> tuple[GenerationState, StageRunner]:
+        """The state (caches sized for the whole call) and the stage runner: the target's kept
+        workspace when it serves this call (graph mode), else new ones."""
+        batch, prompt = input_ids.shape
+        graphs = self.mode != "eager"
+        capacity = prompt + self.options.max_new_tokens + self.slack
+        if self.tree is not None:  # a step's tree must fit beside a full row
+            capacity += self.tree.num_nodes + self.tree.fed_nodes() + 2
+        layout = Layout(
+            slots=max(bucket_for(batch, graphs), 1),
+            capacity=capacity,
+            batch=batch,
+            max_new_tokens=self.options.max_new_tokens,
+            eos=len(self.options.eos_token_ids),
         )
-        self.stats.generated = torch.tensor(self.generated_host)
-        self.stats.row_steps = torch.tensor(self.per_row["steps"])
-        sequences = torch.cat([input_ids, self.out[:, :new]], dim=1)
-        return SpeculativeOutput(sequences=sequences, stats=self.stats)
+        key = (
+            self.mode,
+            self.tree,
+            self.options.sampling,
+            *(id(g) for g in self.generators.values()),
+        )
+        draft = None if self.draft is None else self.draft.model
+        kept = _WORKSPACES.get(self.target.model) if graphs else None
+        if (
+            kept is not None
+            and kept.key == key
+            and (kept.draft() if kept.draft is not None else None) is draft
+            and kept.state.layout.serves(layout)
+        ):
+            return kept.state, kept.runner
+        _WORKSPACES.pop(self.target.model, None)  # free the old buffers before allocating
+        state = GenerationState(self.target, self._drafter(layout), layout, graphs)
+        runner = StageRunner(self.mode, list(self.generators.values()))
+        if graphs:
+            draft_ref = None if draft is None else weakref.ref(draft)
+            _WORKSPACES[self.target.model] = _Workspace(key, draft_ref, state, runner)
+        return state, runner
 
-    def _prefill(self, input_ids: Tensor, attention_mask: Tensor) -> None:
-        """Run both models on the prompt except its last token, which becomes pending."""
-        batch = input_ids.shape[0]
-        context, valid = input_ids[:, :-1], attention_mask[:, :-1].bool()
-        self.cache = RaggedCache(batch, self.device)
-        if context.shape[1]:
-            forward_block(
-                self.target,
-                self.cache,
-                context,
-                valid,
-                block_mask=causal_block_mask(valid),
-                last_only=True,
-            )
-            self.cache.commit(valid)
-        self.pending = input_ids[:, -1]  # [B_a]
+    def _drafter(self, layout: Layout) -> ChainDrafter | None:
+        if self.draft is None:
+            return None
+        generator = self.generators[self.draft.device]
+        vocab, params = self.target.vocab, self.options.sampling
+        args = (self.draft, layout.slots, layout.capacity, vocab, params, generator)
         if self.tree is None:
-            self.drafter = ChainDrafter(
-                self.draft, batch, self.target.vocab, self.params, self.draft_generator
-            )
-        else:
-            self.drafter = TreeDrafter(
-                self.draft,
-                batch,
-                self.target.vocab,
-                self.params,
-                self.draft_generator,
-                self.tree.sampled_children,
-            )
-        d = self.draft.device
-        self.drafter.prefill(context.to(d), valid.to(d), self.pending.to(d))
-        int(self.cache.count.max())  # sync once: the prefill's time is not the first step's
+            return ChainDrafter(*args)
+        return TreeDrafter(*args, sampled_children=self.tree.sampled_children)
 
-    def _steps(self, progress: bool) -> None:
-        total = self.batch * self.options.max_new_tokens
+    def _prefill(self, state: GenerationState, input_ids: Tensor, attention_mask: Tensor) -> None:
+        """Run both models on the prompt except its last token, which becomes pending.
+
+        Slots beyond the caller's rows (padding up to a graph bucket) get empty prompts.
+        """
+        batch, size = state.batch, state.size
+        pad = size - batch
+        ids = torch.cat([input_ids, input_ids.new_zeros(pad, input_ids.shape[1])])
+        mask = torch.cat([attention_mask, attention_mask.new_zeros(pad, input_ids.shape[1])])
+        context, valid = ids[:, :-1], mask[:, :-1].bool()
+        state.target.reset()
+        if context.shape[1]:
+            state.target.reserve(context.shape[1])
+            state.target.forward(context, valid, last_only=True)
+            state.target.commit(valid)
+        state.pending[:size] = ids[:, -1]
+        counts = valid.sum(dim=1).tolist()  # setup read: the rows' lengths
+        state.counts = (counts, counts)
+        if state.drafter is not None:
+            d = self.draft.device if self.draft is not None else state.device
+            state.drafter.prefill(context.to(d), valid.to(d), ids[:, -1].to(d))
+
+    def _steps(self, state: GenerationState, step: Step, progress: bool) -> None:
+        total = state.batch * self.options.max_new_tokens
         with tqdm(total=total, disable=not progress, unit="tok", desc="speculative") as bar:
-            while self.row_ids:
-                bar.update(self._step() if self.tree is None else self._tree_step())
+            while state.num_active:
+                bar.update(step.run())
+                if len(state.stats.steps) == 1:  # every model has run by now
+                    for cache in state.caches():
+                        cache.check_written()
                 if progress:
-                    totals = Totals.of(self.stats.steps)
+                    totals = Totals.of(state.stats.steps)
                     bar.set_postfix(tps=f"{totals.tokens_per_step:.2f}", vsr=f"{totals.vsr:.2f}")
 
 
 __all__ = [
     "DEFAULT_CACHE_SLACK",
+    "HOST_READS_PER_STEP",
     "GenerationStats",
     "SpeculativeOutput",
     "TreeSpec",
+    "release_workspace",
     "speculative_generate",
 ]

@@ -24,6 +24,18 @@ from specselect._checks import check_int
 from specselect.hf.draft import SamplingParams
 from specselect.sampling import check_temperature, check_top_p
 
+
+class _Unset:
+    """The type of :data:`UNSET`."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+#: An argument the caller did not give (``None`` can be a real value: ``eos_token_id=None``
+#: means "no EOS" to ``generate``, not "the config's").
+UNSET: Any = _Unset()
+
 #: ``generate``'s default when neither ``max_new_tokens`` nor ``max_length`` is set: its global
 #: default ``max_length`` (20), counted from the end of the prompt.
 DEFAULT_MAX_NEW_TOKENS = 20
@@ -98,7 +110,9 @@ def resolve_options(
             fields ``generation_config`` leaves unset.
         prompt_width: padded prompt length, to turn an explicit ``max_length`` into new tokens.
         overrides: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-            ``eos_token_id``, ``pad_token_id`` (``None`` = not given); they override everything.
+            ``eos_token_id``, ``pad_token_id``; they override everything. ``None`` means not
+            given, except for ``eos_token_id``, where it means "no EOS" as in ``generate`` and
+            :data:`UNSET` means not given.
     """
     config, explicit_max_length = merge_generation_config(
         generation_config, default_config, overrides
@@ -145,8 +159,9 @@ def merge_generation_config(
     explicit_max_length = config.max_length is not None
     config.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)
     for key, value in overrides.items():
-        if value is not None:
-            setattr(config, key, value)
+        if value is UNSET or (value is None and key != "eos_token_id"):
+            continue
+        setattr(config, key, value)
     return config, explicit_max_length
 
 

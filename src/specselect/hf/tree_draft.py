@@ -19,7 +19,8 @@ The draft's cache follows the same backlog rule as :class:`~specselect.hf.draft.
 (which this class extends): the frontier nodes were fed to the draft, the leaves were not. After
 verification only the accepted path's frontier columns are committed; if the last accepted node
 was never fed (a leaf, or a node outside every frontier) it joins the pending token in the next
-backlog.
+backlog. What the commit needs (which nodes were fed, in which cache column) travels with the
+:class:`DraftTree`, so drafting and verification can be separate captured stages.
 """
 
 from __future__ import annotations
@@ -27,57 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from specselect._checks import check_int
-from specselect.hf.cache import forward_block
 from specselect.hf.compat import ModelHandle
 from specselect.hf.draft import ChainDrafter, SamplingParams, align_vocab, move
 from specselect.sampling import sample_from
 from specselect.scores import causal_logprobs, expected_self_logprob
-from specselect.tree import path_sums
-
-
-@dataclass(frozen=True)
-class TreeSpec:
-    """Shape of the draft tree of every row (see the module docstring).
-
-    Args:
-        depth: levels below the root (draft passes per step).
-        branch: children per expanded node.
-        width: frontier nodes expanded per level (levels 2..depth).
-        sampled_children: when sampling, draw each node's children independently from ``q``
-            (SpecInfer-style multi-candidate verification); ``False`` takes the top-``branch``
-            tokens of ``q`` instead (deterministic children, verified by recursive rejection).
-            Greedy decoding always uses the top-``branch`` tokens.
-    """
-
-    depth: int
-    branch: int
-    width: int
-    sampled_children: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("depth", "branch", "width"):
-            check_int(f"TreeSpec.{name}", getattr(self, name), minimum=1)
-        if not isinstance(self.sampled_children, bool):
-            raise TypeError(
-                "TreeSpec.sampled_children must be a bool, "
-                f"got {type(self.sampled_children).__name__}"
-            )
-
-    def level_sizes(self, depth: int | None = None) -> tuple[int, ...]:
-        """Nodes per level for the first ``depth`` levels (default: all of them)."""
-        sizes = [self.branch]
-        for _ in range(1, self.depth if depth is None else depth):
-            sizes.append(min(self.width, sizes[-1]) * self.branch)
-        return tuple(sizes[: self.depth if depth is None else depth])
-
-    @property
-    def num_nodes(self) -> int:
-        """``N``: nodes per row (the root excluded)."""
-        return sum(self.level_sizes())
+from specselect.tree import TreeSpec, path_sums
 
 
 @dataclass(frozen=True)
@@ -89,6 +46,8 @@ class DraftTree:
     parents: Tensor  # [B, N] int64, -1 = child of the root
     depth: Tensor  # [B, N] int64, >= 1
     probs: Tensor | None  # [B, N + 1, V]: q after the root (col 0) and after node j (col j + 1)
+    fed: Tensor  # [B, N] bool: the node was fed to the draft (a frontier node)
+    fed_ids: Tensor  # [B, T] int64: the node fed in each cache column after the backlog
 
     def to(self, device: torch.device) -> DraftTree:
         return DraftTree(
@@ -97,6 +56,8 @@ class DraftTree:
             move(self.parents, device),
             move(self.depth, device),
             None if self.probs is None else move(self.probs, device),
+            move(self.fed, device),
+            move(self.fed_ids, device),
         )
 
 
@@ -132,7 +93,8 @@ class TreeDrafter(ChainDrafter):
 
     Args:
         handle: the checked draft model.
-        batch: rows.
+        slots: rows allocated.
+        capacity: columns per row of the draft's cache.
         vocab: the target's logit width (draft logits are aligned to it).
         params: token choice, identical to the target's.
         generator: RNG on the draft's device (sampling only).
@@ -142,30 +104,32 @@ class TreeDrafter(ChainDrafter):
     def __init__(
         self,
         handle: ModelHandle,
-        batch: int,
+        slots: int,
+        capacity: int,
         vocab: int,
         params: SamplingParams,
         generator: torch.Generator | None,
         sampled_children: bool = True,
     ) -> None:
-        super().__init__(handle, batch, vocab, params, generator)
+        super().__init__(handle, slots, capacity, vocab, params, generator)
         self.sampled = sampled_children and params.do_sample
-        self._tree: DraftTree | None = None
-        self._fed: Tensor | None = None  # [B, N] bool: node was fed to the draft this step
-        self._fed_ids = torch.zeros(batch, 0, dtype=torch.int64, device=handle.device)  # [B, T]
 
-    def draft_tree(self, spec: TreeSpec) -> DraftTree:
-        """Draft one tree per row in ``spec.depth`` passes (the first one feeds the backlog)."""
+    def tree_footprint(self, spec: TreeSpec) -> int:
+        """Cache columns a step drafting ``spec`` writes: the backlog, then every frontier."""
+        return self.width + spec.fed_nodes()
+
+    def draft_tree(self, active: Tensor, spec: TreeSpec) -> DraftTree:  # active [b] bool
+        """Draft one tree per slot in ``spec.depth`` passes (the first one feeds the backlog).
+
+        Inactive slots feed holes. Device work only.
+        """
         sizes = spec.level_sizes()
         nodes = sum(sizes)
-        batch, device = self.cache.batch, self.handle.device
-        base = self.backlog_valid.sum(dim=1, keepdim=True)  # [B, 1] depth offset of level 1
-        logits = forward_block(
-            self.handle,
-            self.cache,
-            self._embeddable(self.backlog),
-            self.backlog_valid,
-            last_only=True,
+        batch, device = active.shape[0], self.handle.device
+        backlog_valid = self.backlog_valid[:batch, : self.width] & active.unsqueeze(1)
+        base = backlog_valid.sum(dim=1, keepdim=True)  # [B, 1] depth offset of level 1
+        logits = self.cache.forward(
+            self._embeddable(self.backlog[:batch, : self.width]), backlog_valid, last_only=True
         )
         dist = align_vocab(logits[:, -1:], self.vocab)  # [B, 1, V]
         strict = torch.zeros(batch, nodes, nodes, dtype=torch.bool, device=device)  # ancestors
@@ -206,58 +170,62 @@ class TreeDrafter(ChainDrafter):
             chosen = ranking.topk(min(spec.width, size), dim=1).indices + offset  # [B, F']
             fed = fed.scatter(1, chosen, True)
             feed = torch.cat(tokens, dim=1).gather(1, chosen)
-            past = _frontier_past(strict, chosen, fed_ids, self.cache.width)
-            logits = forward_block(
-                self.handle,
-                self.cache,
+            width = chosen.shape[1]
+            logits = self.cache.forward(
                 self._embeddable(feed),
-                torch.ones_like(feed, dtype=torch.bool),
+                active.unsqueeze(1).expand(batch, width),
                 depth=(base - 1 + level).expand_as(feed),
-                block_mask=torch.eye(feed.shape[1], dtype=torch.bool, device=device).expand(
-                    batch, -1, -1
-                ),
-                past_mask=past,
+                block_mask=torch.eye(width, dtype=torch.bool, device=device).expand(batch, -1, -1),
+                past_mask=_frontier_past(strict, chosen, fed_ids, self.width),
             )
             dist = align_vocab(logits, self.vocab)  # [B, F', V]
             fed_ids = torch.cat([fed_ids, chosen], dim=1)
             frontier = chosen
             offset += size
-        levels = [d for d, size in enumerate(sizes, start=1) for _ in range(size)]
-        depth = torch.tensor(levels, device=device).expand(batch, -1)  # [B, N], from host ints
-        tree = DraftTree(
+        depth = _level_of_nodes(sizes, device).expand(batch, -1)  # [B, N]
+        return DraftTree(
             torch.cat(tokens, dim=1),
             torch.cat(logprobs, dim=1),
             torch.cat(parents, dim=1),
             depth,
             after,
+            fed,
+            fed_ids,
         )
-        self._tree, self._fed, self._fed_ids = tree, fed, fed_ids
-        return tree
 
     def advance_tree(
         self,
+        tree: DraftTree,
         path: Tensor,  # [B, D] int64, -1 padded
         last_node: Tensor,  # [B] int64, -1 = root
         next_token: Tensor,  # [B] int64
     ) -> None:
         """Commit the accepted path's draft entries and set the next backlog.
 
-        All tensors on the draft's device. Without a tree this step (:meth:`skip`) use that
-        method instead.
+        All tensors on the draft's device; device work only.
         """
-        assert self._tree is not None and self._fed is not None
-        on_path = (self._fed_ids.unsqueeze(2) == path.unsqueeze(1)).any(dim=2)  # [B, T]
-        self.cache.commit(torch.cat([self.backlog_valid, on_path], dim=1))
+        rows = next_token.shape[0]
+        on_path = (tree.fed_ids.unsqueeze(2) == path.unsqueeze(1)).any(dim=2)  # [B, T]
+        self.cache.commit(torch.cat([self.backlog_valid[:rows, : self.width], on_path], dim=1))
         node = last_node.clamp(min=0).unsqueeze(1)
-        unseen = (last_node >= 0) & ~self._fed.gather(1, node).squeeze(1)
-        token = self._tree.tokens.gather(1, node).squeeze(1)
-        self.backlog = torch.stack([torch.where(unseen, token, 0), next_token], dim=1)
-        self.backlog_valid = torch.stack([unseen, torch.ones_like(unseen)], dim=1)
-        self._tree = self._fed = None
+        unseen = (last_node >= 0) & ~tree.fed.gather(1, node).squeeze(1)
+        token = tree.tokens.gather(1, node).squeeze(1)
+        self.backlog[:rows, 0] = torch.where(unseen, token, 0)
+        self.backlog[:rows, 1] = next_token
+        self.backlog_valid[:rows, 0] = unseen
+        self.backlog_valid[:rows, 1].fill_(True)
 
-    def skip(self, next_token: Tensor) -> None:  # [B] int64
-        """No tree was drafted this step: the backlog just grows by ``next_token``."""
-        self.advance(0, next_token, next_token)
+
+def _level_of_nodes(sizes: tuple[int, ...], device: torch.device) -> Tensor:  # [N] int64
+    """Depth (1-based level) of each node of a tree with ``sizes`` nodes per level, built from
+    device ops alone (a tensor made from a host list could not be captured in a CUDA graph)."""
+    node = torch.arange(sum(sizes), device=device)
+    depth = torch.ones_like(node)
+    start = 0
+    for size in sizes[:-1]:
+        start += size
+        depth += node >= start
+    return depth
 
 
 def _scatter_rows(
@@ -303,7 +271,9 @@ def _inherit_ancestors(
     nodes = strict.shape[1]
     safe = parent.clamp(min=0)
     inherited = strict.gather(1, safe.unsqueeze(2).expand(-1, -1, nodes))  # [B, S, N]
-    itself = F.one_hot(safe, nodes).bool() & (parent >= 0).unsqueeze(2)
+    # A comparison, not F.one_hot: one_hot checks its values on the host (a sync).
+    ids = torch.arange(nodes, device=parent.device)
+    itself = (safe.unsqueeze(2) == ids) & (parent >= 0).unsqueeze(2)
     strict = strict.clone()
     strict[:, offset : offset + parent.shape[1]] = (inherited | itself) & (parent >= 0).unsqueeze(2)
     return strict
@@ -312,15 +282,14 @@ def _inherit_ancestors(
 def _frontier_past(
     strict: Tensor,  # [B, N, N] bool
     chosen: Tensor,  # [B, F] int64 frontier nodes
-    fed_ids: Tensor,  # [B, T] int64 nodes fed earlier this step (the cache's last T columns)
-    width: int,
-) -> Tensor:  # [B, F, width] bool
-    """Cache columns a frontier node may see: everything before this step's frontier blocks
-    (committed tokens and the backlog) and, among the fed nodes, only its own ancestors."""
+    fed_ids: Tensor,  # [B, T] int64 nodes fed earlier this step (after the backlog's columns)
+    backlog: int,
+) -> Tensor:  # [B, F, backlog + T] bool
+    """Which of this step's uncommitted cache columns a frontier node may see: the backlog and,
+    among the fed nodes, only its own ancestors (committed columns are always visible)."""
     batch, count = chosen.shape
-    seen = fed_ids.shape[1]
     nodes = strict.shape[1]
     rows = strict.gather(1, chosen.unsqueeze(2).expand(-1, -1, nodes))  # [B, F, N]
     ancestors = rows.gather(2, fed_ids.unsqueeze(1).expand(-1, count, -1))  # [B, F, T]
-    before = torch.ones(batch, count, width - seen, dtype=torch.bool, device=chosen.device)
+    before = torch.ones(batch, count, backlog, dtype=torch.bool, device=chosen.device)
     return torch.cat([before, ancestors], dim=2)

@@ -1,0 +1,528 @@
+"""What batched speculative decoding costs on a GPU, and what it gains with a trained pair.
+
+Part **a** — cost at realistic shapes (random weights, so acceptance means nothing and every
+step is timed at its full static width): a TinyLlama-1.1B-shape target (hidden 2048, 22 layers,
+GQA 32/4, vocab 32000) and a ~70M draft (hidden 768, 4 layers), bf16, for each batch size:
+
+* ms per plain decode step: HF eager ``generate`` and specselect's graph-mode plain decoding
+  (``selector=None``);
+* ms per speculative step, split into draft / select / verify / bookkeeping, for fixed k=3,
+  default TETRIS (k=3, extra=2), paper TETRIS and one tree shape, in graph mode;
+* the break-even tokens per step: a step's time over a plain step's time (graph mode, and HF
+  eager ``generate``).
+
+Part **b** — end to end with a trained pair: a >= 100M-parameter Llama target trained on the
+installed packages' Python sources with the shipped 4096-token tokenizer, and a <= 1/10 draft
+distilled from it (KL), both trained here in a few minutes (``--train-minutes``,
+``--distill-minutes``) or loaded from ``--cache-dir``. For each batch size, on held-out prompts
+(greedy, ``--max-new-tokens``): tokens/s of HF eager ``generate``, graph-mode plain decoding,
+HF assisted generation (batch 1), and ``speculative_generate`` with every registered selector
+(chains) and one tree shape, eager and graph mode; tokens per step, VSR, rows identical to
+``generate``.
+
+Every timed call follows an untimed warm-up call of the same shape (graph mode captures there;
+later calls replay). Times are medians of ``--repeats`` calls, synchronised.
+
+    python benchmarks/bench_gpu.py --part a
+    python benchmarks/bench_gpu.py --part b --cache-dir /tmp/specselect-pair
+    python benchmarks/bench_gpu.py --smoke --device cpu   # tiny shapes: checks the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import statistics
+import sys
+import sysconfig
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from specselect import TreeSpec, make_selector
+from specselect.hf import emulate_on_cpu, release_workspace, speculative_generate
+from specselect.selectors import SELECTORS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generate import selector_kwargs
+
+# ------------------------------------------------------------------------------ shapes
+
+TARGET_1B = {"hidden": 2048, "layers": 22, "heads": 32, "kv_heads": 4, "ffn": 5632, "vocab": 32000}
+DRAFT_70M = {"hidden": 768, "layers": 4, "heads": 12, "kv_heads": 4, "ffn": 2048, "vocab": 32000}
+# Part b: ~105M target and ~9M draft on the shipped 4096-token tokenizer.
+TARGET_100M = {"hidden": 768, "layers": 14, "heads": 12, "kv_heads": 4, "ffn": 2048, "vocab": 4096}
+DRAFT_9M = {"hidden": 384, "layers": 4, "heads": 6, "kv_heads": 2, "ffn": 1024, "vocab": 4096}
+SMOKE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128}
+
+
+def llama(shape: dict[str, int], vocab: int | None = None, seed: int = 0) -> LlamaForCausalLM:
+    """A Llama with ``shape`` (random weights, sdpa attention, eval mode)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab or shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["ffn"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=4096,
+        tie_word_embeddings=shape["hidden"] < 512,
+        pad_token_id=0,
+        eos_token_id=0,
+        bos_token_id=0,
+    )
+    model = LlamaForCausalLM(config)
+    model.set_attn_implementation("sdpa")
+    return model.eval()
+
+
+def params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, Any]:
+    """Median seconds of ``repeats`` calls after one untimed warm-up; the last result."""
+    result = fn()
+    seconds = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        result = fn()
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds), result
+
+
+# ------------------------------------------------------------------------------ part a
+
+
+@dataclass
+class StepCost:
+    """ms per step of one configuration at one batch size."""
+
+    label: str
+    batch: int
+    total: float
+    split: dict[str, float] = field(default_factory=dict)
+
+
+def speculative_configs(k: int) -> list[tuple[str, dict[str, Any] | None, TreeSpec | None]]:
+    """(label, selector kwargs or None for plain decoding, tree) of part a."""
+    paper = {"name": "tetris", "k": k, "extra": 2, "estimator": None, "guard": False}
+    return [
+        ("plain (graph)", None, None),
+        (f"fixed k={k}", {"name": "fixed", "k": k}, None),
+        (f"default TETRIS k={k} extra=2", {"name": "tetris", "k": k, "extra": 2}, None),
+        (f"paper TETRIS k={k} extra=2", paper, None),
+        (f"fixed k={k} tree(3,2,2)", {"name": "fixed", "k": k}, TreeSpec(3, 2, 2)),
+    ]
+
+
+def step_costs(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    batch: int,
+    args: argparse.Namespace,
+) -> list[StepCost]:
+    """Part a at one batch size: HF eager generate, then every config in graph mode."""
+    device = target.device
+    gen = torch.Generator().manual_seed(batch)
+    prompt = torch.randint(1, target.config.vocab_size, (batch, args.prompt), generator=gen)
+    ids, mask = prompt.to(device), torch.ones_like(prompt).to(device)
+    new = args.steps
+    seconds, _ = timed(
+        lambda: target.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            eos_token_id=None,
+            pad_token_id=0,
+        ),
+        device,
+        args.repeats,
+    )
+    costs = [StepCost("HF generate (eager)", batch, 1000 * seconds / new)]
+    for label, spec, tree in speculative_configs(args.k):
+        selector = None if spec is None else make_selector(**spec)
+
+        def call(selector: Any = selector, tree: TreeSpec | None = tree) -> Any:
+            return speculative_generate(
+                target,
+                draft,
+                ids,
+                mask,
+                selector=selector,
+                tree=tree,
+                max_new_tokens=new,
+                eos_token_id=None,
+                pad_token_id=0,
+                cuda_graphs=args.graphs,
+            )
+
+        _, out = timed(call, device, args.repeats)
+        stats = out.stats
+        steps = max(len(stats.steps), 1)
+        split = {
+            "draft": stats.draft_seconds,
+            "select": stats.select_seconds,
+            "verify": stats.verify_seconds,
+            "bookkeeping": stats.other_seconds,
+        }
+        total = sum(s.seconds for s in stats.steps)
+        costs.append(
+            StepCost(
+                label,
+                batch,
+                1000 * total / steps,
+                {k: 1000 * v / steps for k, v in split.items()},
+            )
+        )
+    release_workspace(target)
+    return costs
+
+
+def part_a(args: argparse.Namespace, device: torch.device) -> str:
+    target_shape = SMOKE | {"vocab": 512} if args.smoke else TARGET_1B
+    draft_shape = SMOKE | {"vocab": 512, "layers": 1} if args.smoke else DRAFT_70M
+    target = llama(target_shape).to(device, args.dtype)
+    draft = llama(draft_shape, seed=1).to(device, args.dtype)
+    print(
+        f"part a: target {params(target) / 1e6:.0f}M, draft {params(draft) / 1e6:.0f}M, "
+        f"{args.dtype}, prompt {args.prompt}, {args.steps} new tokens",
+        file=sys.stderr,
+    )
+    lines = [
+        "| B | configuration | ms/step | draft | select | verify | bookkeeping "
+        "| break-even vs graph plain | vs HF generate |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    with torch.no_grad():
+        for batch in args.batch_sizes:
+            costs = step_costs(target, draft, batch, args)
+            hf, plain = costs[0].total, costs[1].total
+            for cost in costs:
+                split = " | ".join(
+                    f"{cost.split[k]:.2f}" if cost.split else ""
+                    for k in ("draft", "select", "verify", "bookkeeping")
+                )
+                lines.append(
+                    f"| {batch} | {cost.label} | {cost.total:.2f} | {split} "
+                    f"| {cost.total / plain:.2f} | {cost.total / hf:.2f} |"
+                )
+            print(f"  batch {batch} done", file=sys.stderr)
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ part b
+
+
+def python_sources(limit_mb: float) -> Iterator[str]:
+    """Text of the installed Python sources (stdlib and site-packages), tests skipped."""
+    roots = {Path(sysconfig.get_paths()[key]) for key in ("stdlib", "purelib", "platlib")}
+    total = 0
+    for root in sorted(roots):
+        for path in sorted(root.rglob("*.py")):
+            if {"test", "tests"} & set(path.parts):
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            total += len(text)
+            yield text
+            if total > limit_mb * 2**20:
+                return
+
+
+def token_stream(tokenizer: Any, limit_mb: float) -> tuple[Tensor, Tensor]:
+    """(train, held-out) int64 token streams; every 50th file is held out."""
+    eos = tokenizer.eos_token_id
+    train: list[int] = []
+    held: list[int] = []
+    for i, text in enumerate(python_sources(limit_mb)):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
+        (held if i % 50 == 0 else train).extend(ids)
+    return torch.tensor(train), torch.tensor(held)
+
+
+def batches(stream: Tensor, batch: int, context: int, seed: int) -> Iterator[Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, len(stream) - context - 1, (batch,), generator=gen)
+        yield torch.stack([stream[s : s + context + 1] for s in starts.tolist()])
+
+
+def train(
+    model: PreTrainedModel,
+    stream: Tensor,
+    minutes: float,
+    loss_of: Callable[[PreTrainedModel, Tensor], Tensor],
+    args: argparse.Namespace,
+    lr: float,
+) -> int:
+    """AdamW with warm-up and cosine decay for a wall-clock budget; returns the steps taken."""
+    device = next(model.parameters()).device
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+    start, step = time.perf_counter(), 0
+    budget = 60 * minutes
+    for batch in batches(stream, args.train_batch, args.context, seed=step):
+        elapsed = time.perf_counter() - start
+        if elapsed > budget:
+            break
+        frac = elapsed / budget
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * frac))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = loss_of(model, batch.to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 200 == 0:
+            print(f"    step {step}: loss {loss.item():.3f}", file=sys.stderr)
+    model.eval()
+    return step
+
+
+def lm_loss(model: PreTrainedModel, batch: Tensor) -> Tensor:
+    logits = model(batch[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+
+def distill_loss(target: PreTrainedModel) -> Callable[[PreTrainedModel, Tensor], Tensor]:
+    """KL(target || draft) on the batch's positions."""
+
+    def loss(draft: PreTrainedModel, batch: Tensor) -> Tensor:
+        with torch.no_grad():
+            teacher = torch.log_softmax(target(batch[:, :-1]).logits.float(), dim=-1)
+        student = torch.log_softmax(draft(batch[:, :-1]).logits.float(), dim=-1)
+        return F.kl_div(student, teacher, log_target=True, reduction="batchmean") / batch.shape[1]
+
+    return loss
+
+
+def trained_pair(
+    args: argparse.Namespace, device: torch.device
+) -> tuple[PreTrainedModel, PreTrainedModel, Any, Tensor]:
+    """(target, draft, tokenizer, held-out stream): loaded from ``--cache-dir`` or trained."""
+    from specselect.models import load_tiny_pair
+
+    tokenizer = load_tiny_pair()[2]
+    vocab = len(tokenizer)
+    shapes = (SMOKE, SMOKE | {"layers": 1}) if args.smoke else (TARGET_100M, DRAFT_9M)
+    cache = Path(args.cache_dir) if args.cache_dir else None
+    meta = {"shapes": shapes, "train": args.train_minutes, "distill": args.distill_minutes}
+    train_stream, held = token_stream(tokenizer, 2 if args.smoke else args.corpus_mb)
+    stored = cache / "meta.json" if cache is not None else None
+    if (
+        stored is not None
+        and stored.exists()
+        and json.loads(stored.read_text()) == json.loads(json.dumps(meta))
+    ):
+        target = LlamaForCausalLM.from_pretrained(stored.parent / "target").to(device).eval()
+        draft = LlamaForCausalLM.from_pretrained(stored.parent / "draft").to(device).eval()
+        for model in (target, draft):
+            model.set_attn_implementation("sdpa")
+        print(f"part b: pair loaded from {stored.parent}", file=sys.stderr)
+        return target, draft, tokenizer, held
+    target = llama(shapes[0], vocab).to(device)
+    draft = llama(shapes[1], vocab, seed=1).to(device)
+    print(
+        f"part b: training a {params(target) / 1e6:.0f}M target and distilling a "
+        f"{params(draft) / 1e6:.1f}M draft on {len(train_stream) / 1e6:.1f}M tokens",
+        file=sys.stderr,
+    )
+    steps = train(target, train_stream, args.train_minutes, lm_loss, args, lr=6e-4)
+    distilled = train(draft, train_stream, args.distill_minutes, distill_loss(target), args, 2e-3)
+    print(f"  {steps} target steps, {distilled} draft steps", file=sys.stderr)
+    if cache is not None:
+        target.save_pretrained(cache / "target")
+        draft.save_pretrained(cache / "draft")
+        (cache / "meta.json").write_text(json.dumps(meta))
+    return target, draft, tokenizer, held
+
+
+@dataclass
+class Run:
+    batch: int
+    method: str
+    seconds: float
+    tokens: int
+    identical: int
+    tokens_per_step: float | None = None
+    vsr: float | None = None
+
+
+def held_out_prompts(held: Tensor, batch: int, length: int, seed: int) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(held) - length, (batch,), generator=gen)
+    return torch.stack([held[s : s + length] for s in starts.tolist()])
+
+
+def end_to_end(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    ids: Tensor,
+    args: argparse.Namespace,
+) -> list[Run]:
+    """Part b at one batch size (prompts without padding, no EOS: every row runs to the end)."""
+    device, batch, new = ids.device, ids.shape[0], args.max_new_tokens
+    mask = torch.ones_like(ids)
+    common = {"max_new_tokens": new, "eos_token_id": None, "pad_token_id": 0}
+    seconds, reference = timed(
+        lambda: target.generate(ids, attention_mask=mask, do_sample=False, **common),
+        device,
+        args.repeats,
+    )
+    tokens = batch * new
+    runs = [Run(batch, "HF generate (eager)", seconds, tokens, batch)]
+
+    def same(out: Tensor) -> int:
+        return int((out == reference).all(dim=1).sum())
+
+    if batch == 1:
+        seconds, out = timed(
+            lambda: target.generate(
+                ids, attention_mask=mask, assistant_model=draft, do_sample=False, **common
+            ),
+            device,
+            args.repeats,
+        )
+        runs.append(Run(batch, "HF assisted (eager)", seconds, tokens, same(out)))
+    configs: list[tuple[str, dict[str, Any] | None, TreeSpec | None]] = [("plain", None, None)]
+    configs += [(name, {"name": name, **selector_kwargs(name, args.k)}, None) for name in SELECTORS]
+    configs.append(("tetris tree(3,2,2)", {"name": "tetris", "k": args.k}, TreeSpec(3, 2, 2)))
+    for label, spec, tree in configs:
+        for graphs in (False, True):
+            selector = None if spec is None else make_selector(**spec)
+            seconds, out = timed(
+                lambda s=selector, t=tree, g=graphs: speculative_generate(
+                    target, draft, ids, mask, selector=s, tree=t, cuda_graphs=g, **common
+                ),
+                device,
+                args.repeats,
+            )
+            totals = out.stats.totals
+            mode = "graph" if graphs else "eager"
+            runs.append(
+                Run(
+                    batch,
+                    f"{label} ({mode})",
+                    seconds,
+                    tokens,
+                    same(out.sequences),
+                    totals.tokens_per_step,
+                    totals.vsr,
+                )
+            )
+    release_workspace(target)
+    return runs
+
+
+def part_b(args: argparse.Namespace, device: torch.device) -> str:
+    target, draft, _, held = trained_pair(args, device)
+    target, draft = target.to(args.dtype), draft.to(args.dtype)
+    lines = [
+        "| B | method | s | tok/s | vs generate | vs graph plain | tok/step | VSR | identical |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    with torch.no_grad():
+        for batch in args.batch_sizes:
+            ids = held_out_prompts(held, batch, args.prompt, seed=batch).to(device)
+            runs = end_to_end(target, draft, ids, args)
+            base = runs[0].tokens / runs[0].seconds
+            plain = next(r for r in runs if r.method == "plain (graph)")
+            plain_rate = plain.tokens / plain.seconds
+            for run in runs:
+                rate = run.tokens / run.seconds
+                tps = "" if run.tokens_per_step is None else f"{run.tokens_per_step:.2f}"
+                vsr = "" if run.vsr is None else f"{run.vsr:.2f}"
+                lines.append(
+                    f"| {batch} | {run.method} | {run.seconds:.3f} | {rate:.0f} "
+                    f"| {rate / base:.2f}x | {rate / plain_rate:.2f}x | {tps} | {vsr} "
+                    f"| {run.identical}/{batch} |"
+                )
+            print(f"  batch {batch} done", file=sys.stderr)
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--part", choices=["a", "b", "all"], default="all")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--k", type=int, default=3, help="base window of the selectors")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per row")
+    parser.add_argument("--steps", type=int, default=32, help="part a: new tokens (steps)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="part b: new tokens")
+    parser.add_argument("--repeats", type=int, default=2, help="timed calls (median) per cell")
+    parser.add_argument("--cache-dir", help="part b: where the trained pair is kept")
+    parser.add_argument("--corpus-mb", type=float, default=120.0, help="part b: corpus size")
+    parser.add_argument("--train-minutes", type=float, default=4.0)
+    parser.add_argument("--distill-minutes", type=float, default=1.5)
+    parser.add_argument("--train-batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument(
+        "--eager", dest="graphs", action="store_false", help="part a in eager mode, not graphs"
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: check the script")
+    parser.add_argument("--output", help="also write the tables to this markdown file")
+    args = parser.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.dtype = getattr(torch, args.dtype)
+    if args.smoke:
+        args.train_minutes, args.distill_minutes = 0.05, 0.05
+        args.train_batch, args.context, args.prompt = 4, 64, 16
+        args.steps, args.max_new_tokens = 8, 16
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type != "cuda" and not args.smoke:
+        print("bench_gpu.py measures a CUDA GPU; --smoke checks it elsewhere", file=sys.stderr)
+        return 2
+    sections = []
+    # Without a GPU (--smoke), graph mode runs in CPU trace mode: same code, no speed meaning.
+    with emulate_on_cpu() if device.type != "cuda" else contextlib.nullcontext():
+        if args.part in ("a", "all"):
+            sections.append("## a. Cost per step at realistic shapes\n\n" + part_a(args, device))
+        if args.part in ("b", "all"):
+            sections.append("## b. End to end with a trained pair\n\n" + part_b(args, device))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    text = f"# bench_gpu.py on {name}, torch {torch.__version__}\n\n" + "\n\n".join(sections)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

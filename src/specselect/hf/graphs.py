@@ -1,0 +1,252 @@
+"""Running the loop's stages: eagerly, or captured once per shape and replayed (CUDA graphs).
+
+A step of :func:`~specselect.hf.speculative_generate` is a few *stages* (drafting, then target
+verification with its bookkeeping) separated by eager host work (selection, the read-back). A
+stage is a Python callable without arguments or results: it reads and writes only tensors that
+outlive it (the KV caches, the generation state, the step's input/output buffers), and its
+shapes depend only on its *key* (batch bucket, widths). That makes it capturable: the first call
+of a key runs it for real, the capture records its kernels, and every later call replays them —
+at new positions and with new data, because every position is read from device tensors.
+
+:class:`StageRunner` does this in one of three modes:
+
+* ``"eager"`` — call the stage (no capture);
+* ``"cuda"`` — ``torch.cuda.CUDAGraph`` per key, one shared memory pool, random generators
+  registered so sampling draws fresh numbers on every replay;
+* ``"trace"`` — a CPU stand-in for tests: the first call is traced with ``make_fx`` (which runs
+  it for real) and later calls replay the traced graph, whose constants are the live buffers.
+  Like a CUDA graph replay, it repeats the recorded ops with whatever the buffers hold, so any
+  host value baked into a stage or any data passed outside the persistent buffers shows up as a
+  wrong result; host reads inside a stage raise (:class:`HostReads`).
+
+Host reads are what a CUDA graph cannot contain and what serialises the host with the device.
+:class:`HostReads` counts them (``.item()``, ``int()``/``bool()``/``float()`` of a tensor,
+``.tolist()``, ``.numpy()``, and ops whose output shape depends on data, such as boolean
+indexing): the tests use it to check the loop's documented number of reads per step, and trace
+mode uses it to forbid reads inside stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+Mode = Literal["eager", "cuda", "trace"]
+
+#: Batch sizes captured in graph mode; a batch runs in the smallest bucket that holds it, the
+#: free slots padded with inactive rows. Beyond the last one, multiples of 64.
+GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+_EMULATE_ON_CPU = False
+
+
+def bucket_for(rows: int, graphs: bool) -> int:
+    """The batch size that serves ``rows`` active rows: ``rows`` itself in eager mode (finished
+    rows leave the batch at once), else the smallest graph bucket that holds them."""
+    if not graphs or rows == 0:
+        return rows
+    for size in GRAPH_BUCKETS:
+        if size >= rows:
+            return size
+    return -(-rows // 64) * 64
+
+
+@contextlib.contextmanager
+def emulate_on_cpu() -> Iterator[None]:
+    """Let ``cuda_graphs=True`` run on the CPU in ``"trace"`` mode (for tests; see the module
+    doc). Graph mode then exercises the same capture discipline without a GPU."""
+    global _EMULATE_ON_CPU
+    before, _EMULATE_ON_CPU = _EMULATE_ON_CPU, True
+    try:
+        yield
+    finally:
+        _EMULATE_ON_CPU = before
+
+
+def emulating_on_cpu() -> bool:
+    """Whether :func:`emulate_on_cpu` is in effect."""
+    return _EMULATE_ON_CPU
+
+
+class StageRunner:
+    """Runs stages by key: eagerly, or captured on first use and replayed after.
+
+    Args:
+        mode: ``"eager"``, ``"cuda"`` or ``"trace"`` (see the module doc).
+        generators: random generators the stages draw from (sampling), registered with every
+            CUDA graph so each replay draws new numbers; ``None`` entries mean the device's
+            default generator, which CUDA graphs handle by themselves.
+    """
+
+    def __init__(self, mode: Mode, generators: Sequence[torch.Generator | None] = ()) -> None:
+        self.mode = mode
+        self.generators = [g for g in generators if g is not None]
+        self.captures = 0  # graphs captured (or traced) so far
+        self._graphs: dict[Hashable, Any] = {}
+        self._pool: Any = None
+
+    def __call__(self, key: Hashable, stage: Callable[[], None]) -> None:
+        if self.mode == "eager":
+            stage()
+            return
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay() if self.mode == "cuda" else graph()
+            return
+        if self.mode == "cuda":
+            self._graphs[key] = self._capture_cuda(stage)
+        else:
+            self._graphs[key] = _trace(stage, self.generators)
+        self.captures += 1
+
+    def clear(self) -> None:
+        """Forget every capture (the buffers they recorded were replaced)."""
+        self._graphs.clear()
+
+    def _capture_cuda(self, stage: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """Run ``stage`` once for real (it doubles as the warm-up), then record it.
+
+        Capture only records kernels, so the state the real run advanced is not advanced again.
+        """
+        stage()
+        graph = torch.cuda.CUDAGraph()
+        for generator in self.generators:
+            graph.register_generator_state(generator)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            stage()
+        return graph
+
+
+def _trace(
+    stage: Callable[[], None], generators: Sequence[torch.Generator]
+) -> torch.fx.GraphModule:
+    """Trace ``stage`` with ``make_fx`` (running it for real), forbidding host reads inside.
+
+    ``make_fx`` stores a *copy* of each generator a stage draws from; the copies are swapped
+    for the originals, so replays draw from the caller's generators, as registered generators
+    do in CUDA graphs.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def checked() -> None:
+        with HostReads(forbid=True, forbid_host_tensors=True):
+            stage()
+
+    graph = make_fx(checked)()
+    for name, value in list(vars(graph).items()):
+        if isinstance(value, torch.Generator):
+            state = value.get_state()
+            original = next((g for g in generators if torch.equal(g.get_state(), state)), None)
+            if original is not None:
+                setattr(graph, name, original)
+    return graph
+
+
+# Ops that read device data on the host, or whose output shape depends on data (which on an
+# accelerator means a sync). Boolean-mask indexing dispatches to index/index_put with bool
+# indices: that case is recognised below.
+_READ_OPS = {
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::_unique",
+    "aten::_unique2",
+    "aten::unique_dim",
+    "aten::unique_consecutive",
+    "aten::repeat_interleave",
+    "aten::bincount",
+    "aten::equal",
+    "aten::is_nonzero",
+}
+_INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+
+
+class HostReads(TorchDispatchMode):
+    """Count (or forbid) host reads of tensor data while active.
+
+    Counted: ops that read device values on the host or have data-dependent output shapes (see
+    ``_READ_OPS``, and boolean-mask indexing), plus ``Tensor.tolist`` and ``Tensor.numpy``,
+    which bypass the dispatcher. ``reads`` lists what was read, in order.
+
+    Args:
+        forbid: raise ``RuntimeError`` at the first read instead of counting it.
+        forbid_host_tensors: also raise when a tensor is made from host data
+            (``torch.tensor(list)``): inside a CUDA graph that is a copy from pageable memory,
+            which cannot be captured. Python scalars (``x[i] = 1``) are fine.
+    """
+
+    def __init__(self, forbid: bool = False, forbid_host_tensors: bool = False) -> None:
+        super().__init__()
+        self.forbid = forbid
+        self.forbid_host_tensors = forbid_host_tensors
+        self.reads: list[str] = []
+        self._saved: dict[str, Any] = {}
+
+    @property
+    def count(self) -> int:
+        return len(self.reads)
+
+    def __enter__(self) -> HostReads:
+        for name in ("tolist", "numpy"):
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+            setattr(torch.Tensor, name, self._wrap(name, original))
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        self._saved.clear()
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self._read(f"Tensor.{name}")
+            return original(tensor, *args, **kwargs)
+
+        return wrapper
+
+    def _read(self, what: str) -> None:
+        if self.forbid:
+            raise RuntimeError(
+                f"host read inside a captured stage ({what}): a CUDA graph cannot contain it"
+            )
+        self.reads.append(what)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        name = func._schema.name
+        if name in _READ_OPS or (name in _INDEX_OPS and _has_bool_index(args)):
+            self._read(name)
+        # A 0-dim lift is a Python scalar (``x[i] = 1``), which a CUDA tensor takes as a fill.
+        if self.forbid_host_tensors and name == "aten::lift_fresh" and args[0].dim():
+            raise RuntimeError(
+                "a tensor made from host data inside a captured stage: a CUDA graph would copy "
+                "from pageable host memory; build it with device ops"
+            )
+        return func(*args, **(kwargs or {}))
+
+
+def _has_bool_index(args: Sequence[Any]) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(
+        isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
+        for t in (indices or ())
+    )
+
+
+__all__ = [
+    "GRAPH_BUCKETS",
+    "HostReads",
+    "StageRunner",
+    "bucket_for",
+    "emulate_on_cpu",
+    "emulating_on_cpu",
+]

@@ -1,0 +1,461 @@
+"""The state of one generation, declared in one place, and the bookkeeping every step shares.
+
+:class:`GenerationState` holds everything a generation needs from its first step to its last:
+the caller's rows and the *slots* that serve them, the output buffer, the target's
+:class:`~specselect.hf.kv.ModelCache`, the draft side (a drafter with its own cache, or none for
+plain decoding), the step's persistent input/output buffers and the statistics. It also does
+what chain, tree and plain steps share: emitting tokens (:meth:`GenerationState.emit`), the
+step's report and its one read-back, the per-row statistics, retiring rows and making room in
+the caches.
+
+Slots: a generation runs ``size`` slots, the batch bucket (:func:`~specselect.hf.graphs.
+bucket_for`): exactly the active rows in eager mode, the smallest captured bucket that holds them
+in graph mode. A slot serves one caller row or is *inactive* (a finished row, or padding up to
+the bucket); inactive slots run through the forward passes but write nothing that counts (their
+tokens are holes, their output goes to a scratch row). When the active rows fit a smaller
+bucket, the state *shrinks*: the slots that stay are gathered to the front of every buffer, in
+the same copy that compacts the caches.
+
+Tensors on the device are per slot (``[slots]``, used as ``[:size]`` views) or per caller row;
+every list is a host mirror that the host keeps exact from the step's one read-back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
+
+from specselect.hf.compat import ModelHandle
+from specselect.hf.draft import ChainDrafter, SamplingParams
+from specselect.hf.graphs import bucket_for
+from specselect.hf.kv import ModelCache
+from specselect.hf.options import GenerationOptions
+from specselect.metrics import StepCounts, Totals
+
+#: Rows of a step's report: finished, verified, accepted, written, target count, draft count.
+REPORT_ROWS = 6
+
+
+@dataclass
+class GenerationStats:
+    """What happened during one ``speculative_generate`` call (metrics of docs/concepts.md).
+
+    Per row: ``verified``/``accepted``/``emitted`` totals, ``generated`` new tokens in
+    ``sequences``, ``row_steps`` steps the row was active (always the first ``row_steps[i]``
+    steps). ``emitted`` counts accepted + 1 per active row and step. When an accepted draft
+    token is EOS the target's extra token after it is dropped from ``sequences``, so a row's
+    emitted count can exceed its real new tokens (``generated``) by one.
+
+    Time: ``draft_seconds`` (drafting), ``select_seconds`` (scores and selection),
+    ``verify_seconds`` (target pass, verification and the device bookkeeping up to the
+    read-back) and ``other_seconds`` (the host's bookkeeping after it: statistics, retiring
+    rows, compaction) are device times on a GPU (CUDA events, read once at the end) and wall
+    times on a CPU; ``prefill_seconds`` is the prompt pass. ``cache_widths`` holds the columns
+    in use in each model's cache after each step; ``compactions`` counts cache compactions and
+    ``captures`` the CUDA graphs captured (0 in eager mode).
+    """
+
+    steps: list[StepCounts] = field(default_factory=list)
+    verified: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [B]
+    accepted: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [B]
+    emitted: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [B]
+    generated: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [B]
+    row_steps: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [B]
+    verified_per_step: list[Tensor] = field(default_factory=list)  # each [B], 0 if inactive
+    accepted_per_step: list[Tensor] = field(default_factory=list)  # each [B], 0 if inactive
+    cache_widths: list[tuple[int, int]] = field(default_factory=list)  # (target, draft) per step
+    draft_seconds: float = 0.0
+    select_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    other_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    compactions: int = 0
+    captures: int = 0
+    mode: str = "eager"
+
+    @property
+    def totals(self) -> Totals:
+        """Run totals; ``extra`` holds the time split and the peak cache widths."""
+        widths = self.cache_widths or [(0, 0)]
+        extra = {
+            "draft_seconds": self.draft_seconds,
+            "select_seconds": self.select_seconds,
+            "verify_seconds": self.verify_seconds,
+            "other_seconds": self.other_seconds,
+            "prefill_seconds": self.prefill_seconds,
+            "max_target_cache": float(max(w[0] for w in widths)),
+            "max_draft_cache": float(max(w[1] for w in widths)),
+        }
+        return replace(Totals.of(self.steps), extra=extra)
+
+
+class Buffers:
+    """Persistent tensors for a step's inputs and outputs, one per (name, shape, dtype).
+
+    A captured stage reads and writes memory at the addresses it saw when it was captured, so
+    everything that crosses a stage boundary (drafted tokens, the selection, verdicts, the
+    report) lives here and is written in place.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._store: dict[tuple[str, tuple[int, ...], torch.dtype], Tensor] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        key = (name, shape, dtype)
+        tensor = self._store.get(key)
+        if tensor is None:
+            # Allocated outside any tracing mode: the buffer must outlive the stage that first
+            # asks for it, not become an op of its trace.
+            with _disable_current_modes():
+                tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+            self._store[key] = tensor
+        return tensor
+
+
+class PhaseClock:
+    """Per-phase time of every step without extra host syncs.
+
+    On a CPU the host waits for every op, so ``perf_counter`` laps are the phases' times. On a
+    GPU the host runs ahead of the device, so laps record CUDA events instead, and their
+    elapsed times are read once, in :meth:`totals`, after the generation's last sync.
+    """
+
+    def __init__(self, device: torch.device, phases: int) -> None:
+        self.cuda = device.type == "cuda"
+        self.phases = phases
+        self._sums = [0.0] * phases
+        self._laps: list[object] = []
+        self._steps: list[list[object]] = []
+
+    def lap(self) -> None:
+        """Mark the start of the step (first call) or the end of its next phase."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._laps.append(event)
+        else:
+            self._laps.append(time.perf_counter())
+        if len(self._laps) == self.phases + 1:
+            self._steps.append(self._laps)
+            self._laps = []
+
+    def totals(self) -> list[float]:
+        """Seconds spent in each phase over all steps (syncs the device once on a GPU)."""
+        if self.cuda and self._steps:
+            torch.cuda.synchronize()
+        for laps in self._steps:
+            for phase in range(self.phases):
+                start, end = laps[phase], laps[phase + 1]
+                if self.cuda:
+                    self._sums[phase] += start.elapsed_time(end) / 1000  # type: ignore[attr-defined]
+                else:
+                    self._sums[phase] += end - start  # type: ignore[operator]
+        self._steps = []
+        return list(self._sums)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a :class:`GenerationState` is allocated for; a later call that needs no more (and
+    not much less: attention spans the whole capacity) can reuse it, captured graphs included."""
+
+    slots: int  # rows of every per-slot buffer and cache
+    capacity: int  # cache columns per row
+    batch: int  # caller rows the output buffer holds
+    max_new_tokens: int  # output columns (plus a scratch column)
+    eos: int  # EOS ids (their number is part of the captured code)
+
+    def serves(self, need: Layout) -> bool:
+        """Whether buffers allocated for ``self`` can serve a call that needs ``need``."""
+        return (
+            self.slots >= need.slots
+            and need.capacity <= self.capacity <= 2 * need.capacity
+            and self.batch >= need.batch
+            and self.max_new_tokens >= need.max_new_tokens
+            and self.eos == need.eos
+        )
+
+
+class GenerationState:
+    """Everything a generation holds (see the module doc): buffers allocated once for a
+    :class:`Layout`, and per-call state set by :meth:`start`.
+
+    Args:
+        target: the checked target model.
+        drafter: the draft side, or ``None`` for plain decoding.
+        layout: what to allocate for.
+        graphs: whether buckets are graph buckets (padded) rather than exact batch sizes.
+    """
+
+    def __init__(
+        self, target: ModelHandle, drafter: ChainDrafter | None, layout: Layout, graphs: bool
+    ) -> None:
+        device = target.device
+        self.device, self.layout, self.graphs = device, layout, graphs
+        slots = self.slots = layout.slots
+        self.target = ModelCache(target, slots, layout.capacity)
+        self.drafter = drafter
+        self.io = Buffers(device)
+        # Output: rows beyond the call's batch take the tokens of inactive slots, and the last
+        # column the tokens that are not written.
+        self.out = torch.zeros(
+            layout.batch + 1, layout.max_new_tokens + 1, dtype=torch.int64, device=device
+        )
+        self.max_new = torch.zeros((), dtype=torch.int64, device=device)
+        self.eos = torch.zeros(layout.eos, dtype=torch.int64, device=device)
+        # Per slot (device): the caller row it serves (>= B: none), whether it is active, its
+        # new tokens so far, and the token both models have yet to consume.
+        self.rows = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.active = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.generated = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.pending = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.report_host = (
+            torch.zeros(REPORT_ROWS, slots, dtype=torch.int64).pin_memory()
+            if device.type == "cuda"
+            else None
+        )
+        self.done = torch.cuda.Event() if device.type == "cuda" else None
+        # Per call (set by start): the options, the caller's rows, the slots in use and the
+        # host mirrors, kept exact from the steps' read-backs.
+        self.options = GenerationOptions(0, SamplingParams(), (), 0)
+        self.batch = self.size = 0
+        self.stats = GenerationStats()
+        self.slot_rows: list[int] = []  # per slot: caller row, or -1 (inactive)
+        self.generated_host: list[int] = []  # per caller row
+        self.counts: tuple[list[int], list[int]] = ([], [])  # per slot: target, draft count
+        self.per_row: dict[str, list[int]] = {}  # per caller row: verified, accepted, ...
+
+    def start(self, options: GenerationOptions, batch: int) -> None:
+        """Begin a generation of ``batch`` rows: reset the per-call state (buffers stay)."""
+        device = self.device
+        self.options, self.batch = options, batch
+        self.stats = GenerationStats()
+        self.out.fill_(options.pad_token_id)
+        self.max_new.fill_(options.max_new_tokens)
+        self.eos.copy_(torch.tensor(options.eos_token_ids, dtype=torch.int64))
+        size = self.size = max(bucket_for(batch, self.graphs), 1)  # slots in use (the bucket)
+        self.rows.fill_(batch)
+        self.rows[:batch] = torch.arange(batch, device=device)
+        self.active.zero_()
+        self.active[:batch] = True
+        self.generated.zero_()
+        self.pending.zero_()
+        self.slot_rows = [*range(batch), *([-1] * (size - batch))]
+        self.generated_host = [0] * batch
+        self.counts = ([0] * size, [0] * size)
+        self.per_row = {name: [0] * batch for name in ("verified", "accepted", "emitted", "steps")}
+
+    # ------------------------------------------------------------------ host-side facts
+    def caches(self) -> list[ModelCache]:
+        """Both models' caches (the target's only, for plain decoding)."""
+        return [self.target] + ([self.drafter.cache] if self.drafter is not None else [])
+
+    @property
+    def num_active(self) -> int:
+        return sum(row >= 0 for row in self.slot_rows)
+
+    @property
+    def most_remaining(self) -> int:
+        """Most tokens any active row may still emit (host-known, no sync)."""
+        return max(
+            self.options.max_new_tokens - self.generated_host[row]
+            for row in self.slot_rows
+            if row >= 0
+        )
+
+    # ------------------------------------------------------------------ inside stages
+    def remaining(self) -> Tensor:  # [size] int64
+        """Tokens each slot may still emit (0 for inactive slots)."""
+        size = self.size
+        return (self.max_new - self.generated[:size]) * self.active[:size]
+
+    def emit(
+        self,
+        tokens: Tensor,  # [b, W - 1] int64 the accepted-path tokens (first num_accepted count)
+        num_accepted: Tensor,  # [b]
+        next_token: Tensor,  # [b]
+    ) -> tuple[Tensor, Tensor]:  # written [b] int64, finished [b] bool
+        """Write accepted drafts + the target's token into the output, cut after the first EOS.
+
+        Updates the slots' ``generated`` and ``active`` flags in place; inactive slots write
+        nothing (their columns go to the scratch row).
+        """
+        size, width = tokens.shape[0], tokens.shape[1] + 1
+        active = self.active[:size]
+        columns = torch.arange(width, device=self.device).unsqueeze(0)  # [1, W]
+        padded = torch.cat([tokens, next_token.unsqueeze(1)], dim=1)
+        emitted = torch.where(columns == num_accepted.unsqueeze(1), next_token.unsqueeze(1), padded)
+        count = num_accepted + 1
+        hit_eos = torch.zeros_like(active)
+        if self.eos.numel():
+            is_eos = torch.isin(emitted, self.eos) & (columns < count.unsqueeze(1))
+            hit_eos = is_eos.any(dim=1)
+            first = is_eos.to(torch.int64).argmax(dim=1)
+            count = torch.where(hit_eos, first + 1, count)
+        count = count * active
+        slots = self.generated[:size].unsqueeze(1) + columns
+        slots = torch.where(columns < count.unsqueeze(1), slots, self.max_new)
+        self.out.index_put_((self.rows[:size].unsqueeze(1).expand_as(slots), slots), emitted)
+        self.generated[:size] += count
+        finished = active & (hit_eos | (self.generated[:size] >= self.max_new))
+        active &= ~finished
+        return count, finished
+
+    def write_report(
+        self,
+        finished: Tensor,  # [b] bool
+        verified: Tensor,  # [b] int64
+        num_accepted: Tensor,  # [b] int64
+        written: Tensor,  # [b] int64
+    ) -> None:
+        """Collect what the host must know after the step into the report buffer."""
+        size = self.size
+        draft_count = (
+            self.drafter.cache.count[:size].to(self.device)
+            if self.drafter is not None
+            else torch.zeros_like(written)
+        )
+        report = torch.stack(
+            [
+                finished.to(torch.int64),
+                verified,
+                num_accepted,
+                written,
+                self.target.count[:size],
+                draft_count,
+            ]
+        )
+        self.io("report", (REPORT_ROWS, size), torch.int64).copy_(report)
+
+    # ------------------------------------------------------------------ between stages
+    def to_full(self, values: Tensor, fill: float) -> Tensor:  # [size, ...] -> [B, ...]
+        """Per-slot values as per-caller-row values (``fill`` for rows no slot serves)."""
+        full = torch.full(
+            (self.batch + 1, *values.shape[1:]), fill, dtype=values.dtype, device=values.device
+        )
+        return full.index_copy_(0, self.rows[: self.size], values)[: self.batch]
+
+    def to_slots(self, values: Tensor) -> Tensor:  # [B, ...] -> [size, ...]
+        """Per-caller-row values as per-slot values (inactive slots read row 0: mask them)."""
+        return values.index_select(0, self.rows[: self.size].clamp(max=self.batch - 1))
+
+    def active_rows(self) -> Tensor:  # [B] bool
+        """Which caller rows are still generating (the selector's ``active`` flags)."""
+        return self.to_full(self.active[: self.size], False)
+
+    def read_back(self) -> list[list[int]]:
+        """The step's report on the host: the loop's one sync per step.
+
+        On a GPU it goes through pinned memory: one asynchronous copy and one event wait.
+        """
+        report = self.io("report", (REPORT_ROWS, self.size), torch.int64)
+        if self.report_host is None or self.done is None:
+            return report.tolist()
+        host = self.report_host[:, : self.size]
+        host.copy_(report, non_blocking=True)
+        self.done.record()
+        self.done.synchronize()
+        return host.tolist()
+
+    # ------------------------------------------------------------------ on the host
+    def record(self, report: list[list[int]], seconds: float) -> int:
+        """Per-row statistics of the step and retirement; returns tokens written plus the unused
+        budget of retired rows (the progress bar's advance)."""
+        finished, verified, accepted, written = report[:4]
+        self.counts = (report[4], report[5])
+        verified_row, accepted_row = [0] * self.batch, [0] * self.batch
+        advance = active = 0
+        for slot, row in enumerate(self.slot_rows):
+            if row < 0:
+                continue
+            active += 1
+            verified_row[row], accepted_row[row] = verified[slot], accepted[slot]
+            self.per_row["verified"][row] += verified[slot]
+            self.per_row["accepted"][row] += accepted[slot]
+            self.per_row["emitted"][row] += accepted[slot] + 1
+            self.per_row["steps"][row] += 1
+            self.generated_host[row] += written[slot]
+            advance += written[slot]
+            if finished[slot]:
+                advance += self.options.max_new_tokens - self.generated_host[row]
+                self.slot_rows[slot] = -1
+        self.stats.verified_per_step.append(torch.tensor(verified_row))
+        self.stats.accepted_per_step.append(torch.tensor(accepted_row))
+        accepted_sum = sum(accepted_row)
+        self.stats.steps.append(
+            StepCounts(
+                active=active,
+                verified=sum(verified_row),
+                accepted=accepted_sum,
+                emitted=accepted_sum + active,
+                seconds=seconds,
+            )
+        )
+        draft_used = self.drafter.cache.used if self.drafter is not None else 0
+        self.stats.cache_widths.append((self.target.used, draft_used))
+        return advance
+
+    def make_room(self, target_width: int, draft_width: int) -> None:
+        """Before a step writing ``target_width`` / ``draft_width`` columns: shrink to a smaller
+        bucket if the active rows fit one, and compact every cache the step would overflow."""
+        new_size = max(bucket_for(self.num_active, self.graphs), 1)
+        shrink = new_size < self.size
+        keep = self._slots_to_keep(new_size)
+        caches: list[tuple[ModelCache, int, list[int]]] = [
+            (self.target, target_width, self.counts[0])
+        ]
+        if self.drafter is not None:
+            caches.append((self.drafter.cache, draft_width, self.counts[1]))
+        for index, (cache, width, counts) in enumerate(caches):
+            if not shrink and cache.room() >= width:
+                continue
+            used = max(counts[slot] for slot in keep)
+            if used + width > cache.capacity:
+                raise RuntimeError(
+                    f"a step needs {width} more cache columns than the {cache.capacity - used} "
+                    "left after compaction: pass a larger cache_slack"
+                )
+            rows = torch.tensor(keep, device=cache.count.device)
+            if index == 0:
+                cache.compact(rows, used)
+            else:
+                assert self.drafter is not None
+                self.drafter.keep_rows(rows, used)
+            self.stats.compactions += 1
+        if shrink:
+            self._shrink(keep)
+
+    def _slots_to_keep(self, size: int) -> list[int]:
+        """The slots of the next bucket: every active slot, then inactive ones as padding."""
+        active = [slot for slot, row in enumerate(self.slot_rows) if row >= 0]
+        idle = [slot for slot, row in enumerate(self.slot_rows) if row < 0]
+        return (active + idle)[:size] if size < self.size else list(range(self.size))
+
+    def _shrink(self, keep: list[int]) -> None:
+        """Move the kept slots to the front of every per-slot buffer (caches are done)."""
+        index = torch.tensor(keep, device=self.device)
+        size = len(keep)
+        for buffer in (self.rows, self.active, self.generated, self.pending):
+            buffer[:size] = buffer.index_select(0, index)
+        self.slot_rows = [self.slot_rows[slot] for slot in keep]
+        self.counts = tuple([counts[slot] for slot in keep] for counts in self.counts)  # type: ignore[assignment]
+        self.size = size
+
+    def result(self, input_ids: Tensor) -> Tensor:
+        """``[B, P + new]``: the prompts and the generated tokens (pad after EOS)."""
+        new = max(self.generated_host)
+        stats = self.stats
+        stats.verified, stats.accepted, stats.emitted = (
+            torch.tensor(self.per_row[name]) for name in ("verified", "accepted", "emitted")
+        )
+        stats.generated = torch.tensor(self.generated_host)
+        stats.row_steps = torch.tensor(self.per_row["steps"])
+        return torch.cat([input_ids, self.out[: self.batch, :new]], dim=1)
+
+
+__all__ = ["REPORT_ROWS", "Buffers", "GenerationState", "GenerationStats", "Layout", "PhaseClock"]

@@ -1,0 +1,469 @@
+"""The two step strategies: chains (and plain decoding) and draft trees.
+
+A step is the same five parts for both (the skeleton is :meth:`Step.run`):
+
+1. **plan** (host): the draft length or tree shape, from the selector and the rows' remaining
+   tokens, and the cache columns the step will write; the state makes room first
+   (:meth:`~specselect.hf.state.GenerationState.make_room`);
+2. **draft** (a stage): the draft model proposes a chain or a tree per slot; the scores the
+   selector will see are computed here, with unemittable positions masked;
+3. **select** (eager): ``selector.select`` on the caller's rows;
+4. **verify** (a stage): one target pass over the pending token and *every* drafted token,
+   the unselected ones as holes (a static width, so the step needs no sync to know it), then
+   greedy or lossless sampling verification, both caches' commits, emission and the report;
+5. **update** (eager): ``selector.update``, then the state's one read-back.
+
+Stages (2 and 4) run through a :class:`~specselect.hf.graphs.StageRunner`: eagerly, or captured
+per (bucket, widths) and replayed. They exchange data only through the state's persistent
+buffers (``state.io``), and take every position from device tensors.
+
+Plain decoding is a chain step with no drafter and no selector: no draft stage, a verify stage
+one column wide.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from specselect._checks import check_int
+from specselect.hf.draft import ChainDrafter, DraftChain, SamplingParams
+from specselect.hf.graphs import StageRunner
+from specselect.hf.state import GenerationState, PhaseClock
+from specselect.hf.tree_draft import DraftTree, TreeDrafter
+from specselect.scores import causal_logprobs, expected_self_logprob
+from specselect.selection import NEG_INF, Selection, Selector, available_lengths, prefix_mask
+from specselect.tree import TreeBuffers, TreeSpec, build_tree_buffers, path_sums
+from specselect.verify import greedy_verify, rejection_verify
+from specselect.verify_tree import TreeVerdict, tree_greedy_verify, tree_rejection_verify
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the host decided for one step (everything a stage's shapes depend on)."""
+
+    width: int  # draft length k (chains) or tree depth (trees); 0 = no drafting
+    target_columns: int  # cache columns the verify pass writes
+    draft_columns: int  # cache columns the draft stage writes
+    key: Hashable  # capture key of both stages (with the bucket size)
+
+
+class Step(abc.ABC):
+    """One step strategy over a :class:`~specselect.hf.state.GenerationState`.
+
+    Args:
+        state: the generation's state.
+        runner: runs the draft and verify stages (eager or captured).
+        selector: chooses what the target verifies (``None``: plain decoding).
+        params: token choice (greedy or sampling), shared by both models.
+        generator: RNG on the target's device (sampling).
+        clock: per-phase timing (draft, select, verify).
+    """
+
+    def __init__(
+        self,
+        state: GenerationState,
+        runner: StageRunner,
+        selector: Selector | None,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        clock: PhaseClock,
+    ) -> None:
+        self.state = state
+        self.runner = runner
+        self.selector = selector
+        self.params = params
+        self.generator = generator
+        self.clock = clock
+        self.selection: Selection | None = None  # the current step's, for update()
+
+    def run(self) -> int:
+        """One step; returns the progress bar's advance (see ``GenerationState.record``)."""
+        state = self.state
+        plan = self.plan()
+        state.make_room(plan.target_columns, plan.draft_columns)
+        drafter = state.drafter
+        if isinstance(drafter, ChainDrafter) and drafter.must_absorb(plan.width):
+            drafter.absorb(state.size)
+        state.target.reserve(plan.target_columns)
+        if drafter is not None:
+            drafter.cache.reserve(plan.draft_columns)
+        start = _now()
+        self.clock.lap()
+        if plan.width:
+            self.runner(("draft", state.size, plan.key), lambda: self.draft(plan))
+        self.clock.lap()
+        self.select(plan)
+        self.clock.lap()
+        self.runner(("verify", state.size, plan.key), lambda: self.verify(plan))
+        self.update()
+        self.clock.lap()
+        report = state.read_back()  # the step's one host sync
+        if isinstance(drafter, ChainDrafter):
+            drafter.advanced(plan.width)
+        return state.record(report, _now() - start)
+
+    @abc.abstractmethod
+    def plan(self) -> Plan:
+        """Decide the step's widths (host only)."""
+
+    @abc.abstractmethod
+    def draft(self, plan: Plan) -> None:
+        """The draft stage: propose, and write tokens and selection scores to ``state.io``."""
+
+    @abc.abstractmethod
+    def select(self, plan: Plan) -> None:
+        """Eager: run the selector and write the per-slot selection to ``state.io``."""
+
+    @abc.abstractmethod
+    def verify(self, plan: Plan) -> None:
+        """The verify stage: target pass, verification, commits, emission, report."""
+
+    @abc.abstractmethod
+    def update(self) -> None:
+        """Eager: feed the selector the outcome of its selection (if it selected)."""
+
+    # ------------------------------------------------------------------ shared stage parts
+    def _io(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.int64) -> Tensor:
+        return self.state.io(name, shape, dtype)
+
+    def _finish(
+        self,
+        tokens: Tensor,  # [b, W - 1] accepted-path tokens (the first num_accepted count)
+        num_accepted: Tensor,  # [b]
+        next_token: Tensor,  # [b]
+        verified: Tensor,  # [b]
+    ) -> None:
+        """Emission, the next pending token and the report (the end of every verify stage)."""
+        state = self.state
+        written, finished = state.emit(tokens, num_accepted, next_token)
+        state.pending[: state.size] = next_token
+        self._io("num_accepted", (state.size,)).copy_(num_accepted)
+        state.write_report(finished, verified, num_accepted, written)
+
+    def _remaining(self) -> Tensor:  # [b]
+        return self.state.remaining()
+
+    def _is_eos(self, tokens: Tensor) -> Tensor:  # [b, n] -> [b, n] bool
+        eos = self.state.eos
+        if not eos.numel():
+            return torch.zeros_like(tokens, dtype=torch.bool)
+        return torch.isin(tokens, eos)
+
+    def _verify_chain(self, k: int) -> None:
+        """The flat verify stage (chain steps, and tree steps without a tree).
+
+        Target pass over ``[pending, k drafts]`` (unselected ones as holes), verification,
+        commits, emission and the report. ``k = 0`` is a plain decoding step.
+        """
+        state = self.state
+        size = state.size
+        active = state.active[:size]
+        tokens = self._io("tokens", (size, k))
+        lengths = self._io("lengths", (size,)) if k else torch.zeros_like(state.pending[:size])
+        block = torch.cat([state.pending[:size].unsqueeze(1), tokens], dim=1)  # [b, k + 1]
+        valid = prefix_mask(lengths + 1, k + 1) & active.unsqueeze(1)
+        logits = state.target.forward(block, valid).to(state.device)  # [b, k + 1, V]
+        if not self.params.do_sample:
+            num_accepted, next_token = greedy_verify(tokens, lengths, logits)
+        else:
+            probs = self._draft_probs(size, k, logits)
+            num_accepted, next_token = rejection_verify(
+                tokens, lengths, probs, self.params.probs(logits), self.generator
+            )
+        state.target.commit(prefix_mask(num_accepted + 1, k + 1))
+        drafter = state.drafter
+        if isinstance(drafter, ChainDrafter):
+            d = drafter.handle.device
+            drafter.advance(k, tokens.to(d), num_accepted.to(d), next_token.to(d))
+        self._finish(tokens, num_accepted, next_token, lengths)
+
+    def _draft_probs(self, size: int, k: int, like: Tensor) -> Tensor:  # [b, k, V]
+        """The persistent buffer of the drafts' distributions (``like``: anything ``[..., V]``)."""
+        return self._io("probs", (size, k, like.shape[-1]), self._probs_dtype())
+
+    def _probs_dtype(self) -> torch.dtype:
+        """dtype of the draft's distributions (the processed draft logits)."""
+        drafter = self.state.drafter
+        dtype = drafter.handle.dtype if drafter is not None else torch.float32
+        return torch.promote_types(dtype, torch.float32)
+
+
+class ChainStep(Step):
+    """Chain steps: draft ``k`` tokens per slot, select a prefix, verify it flat.
+
+    With ``selector=None`` (no drafter) every step is a plain decoding step.
+    """
+
+    def plan(self) -> Plan:
+        state = self.state
+        k = 0
+        if self.selector is not None:
+            k = check_int("selector.draft_length()", self.selector.draft_length(state.num_active))
+            # Positions >= remaining - 1 could not be emitted by any row: do not draft them.
+            k = min(k, state.most_remaining - 1)
+        drafter = state.drafter
+        draft_columns = drafter.footprint(k) if drafter is not None else 0
+        backlog = drafter.width if drafter is not None else 0
+        return Plan(k, k + 1, draft_columns, ("chain", k, backlog))
+
+    def draft(self, plan: Plan) -> None:
+        state = self.state
+        drafter = state.drafter
+        assert isinstance(drafter, ChainDrafter)
+        size, k = state.size, plan.width
+        active = state.active[:size].to(drafter.handle.device)
+        chain = drafter.draft(active, k).to(state.device)
+        self._io("tokens", (size, k)).copy_(chain.tokens)
+        if chain.probs is not None:
+            self._draft_probs(size, k, chain.probs).copy_(chain.probs)
+        scores = self._mask_unemittable(chain.tokens, _selection_scores(chain))
+        self._io("scores", (size, k), torch.float32).copy_(scores)
+
+    def select(self, plan: Plan) -> None:
+        state = self.state
+        size, k = state.size, plan.width
+        lengths = self._io("lengths", (size,))
+        if self.selector is None:
+            lengths.zero_()
+            return
+        scores = self._io("scores", (size, k), torch.float32)
+        self.selection = self.selector.select(state.to_full(scores, NEG_INF), state.active_rows())
+        # A selector that broke its contract must not be able to overflow a row.
+        chosen = state.to_slots(self.selection.lengths) * state.active[:size]
+        lengths.copy_(torch.minimum(chosen, available_lengths(scores)))
+
+    def verify(self, plan: Plan) -> None:
+        self._verify_chain(plan.width)
+
+    def update(self) -> None:
+        if self.selector is None or self.selection is None:
+            return
+        state = self.state
+        num_accepted = state.to_full(self._io("num_accepted", (state.size,)), 0)
+        self.selector.update(self.selection, num_accepted)
+
+    def _mask_unemittable(self, tokens: Tensor, scores: Tensor) -> Tensor:  # [b, k] -> [b, k]
+        """``-inf`` for positions no row could emit: ``j >= remaining - 1`` (the last token a
+        row may emit is the target's), and every position after a drafted EOS."""
+        k = scores.shape[1]
+        columns = torch.arange(k, device=scores.device)
+        cut = columns.unsqueeze(0) >= (self._remaining() - 1).unsqueeze(1)
+        is_eos = self._is_eos(tokens).to(torch.int64)
+        cut = cut | ((is_eos.cumsum(dim=1) - is_eos) > 0)  # strictly after the first EOS
+        return scores.masked_fill(cut, NEG_INF)
+
+
+class TreeStep(Step):
+    """Tree steps: draft a tree per slot, select nodes, verify all nodes with the tree mask.
+
+    The verify pass sends each slot's root (the pending token) and all ``N`` nodes in index
+    order (parents before children), the unselected ones as holes, with the tree's ancestor mask
+    and positions ``root position + depth``; both caches keep only the accepted path.
+    """
+
+    def __init__(self, *args: object, tree: TreeSpec, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.tree = tree
+
+    def plan(self) -> Plan:
+        drafter = self._drafter()
+        state = self.state
+        assert self.selector is not None
+        # The selector's draft length caps the depth (no selector verifies deeper than it
+        # drafts a chain); deeper nodes than a row's remaining tokens are unemittable.
+        window = check_int("selector.draft_length()", self.selector.draft_length(state.num_active))
+        depth = min(self.tree.depth, window, state.most_remaining - 1)
+        key = ("tree", depth, drafter.width)
+        if depth == 0:  # no row can emit a draft token: a plain step
+            return Plan(0, 1, 0, key)
+        spec = replace(self.tree, depth=depth)
+        return Plan(depth, 1 + spec.num_nodes, drafter.tree_footprint(spec), key)
+
+    def draft(self, plan: Plan) -> None:
+        state = self.state
+        drafter = self._drafter()
+        active = state.active[: state.size].to(drafter.handle.device)
+        tree = drafter.draft_tree(active, self._spec(plan)).to(state.device)
+        buffers = build_tree_buffers(tree.parents)
+        stored, stored_buffers = self._trees(plan)
+        for name in ("tokens", "logprobs", "parents", "depth", "fed", "fed_ids"):
+            getattr(stored, name).copy_(getattr(tree, name))
+        if tree.probs is not None and stored.probs is not None:
+            stored.probs.copy_(tree.probs)
+        stored_buffers.ancestors.copy_(buffers.ancestors)
+        stored_buffers.paths.copy_(buffers.paths)
+        scores = self._mask_unemittable_nodes(
+            tree, buffers, self._tree_scores(tree, drafter.sampled)
+        )
+        self._io("scores", (*scores.shape,), torch.float32).copy_(scores)
+
+    def select(self, plan: Plan) -> None:
+        self.selection = None
+        if plan.width == 0 or self.selector is None:
+            return
+        state = self.state
+        size, nodes = state.size, self._spec(plan).num_nodes
+        scores = self._io("scores", (size, nodes), torch.float32)
+        parents = self._trees(plan)[0].parents
+        self.selection = self.selector.select(
+            state.to_full(scores, NEG_INF),
+            state.active_rows(),
+            parents=state.to_full(parents, -1),
+        )
+        # A selector that broke its contract must not verify nodes no row can emit.
+        usable = path_sums(scores, parents) > NEG_INF
+        selected = state.to_slots(self.selection.mask) & usable & state.active[:size].unsqueeze(1)
+        self._io("selected", (size, nodes), torch.bool).copy_(selected)
+
+    def verify(self, plan: Plan) -> None:
+        if plan.width == 0:
+            self._verify_chain(0)
+            return
+        state = self.state
+        size, nodes = state.size, self._spec(plan).num_nodes
+        tree, buffers = self._trees(plan)
+        selected = self._io("selected", (size, nodes), torch.bool)
+        active = state.active[:size].unsqueeze(1)
+        root = torch.zeros(size, 1, dtype=torch.int64, device=state.device)
+        logits = state.target.forward(
+            torch.cat([state.pending[:size].unsqueeze(1), tree.tokens], dim=1),
+            torch.cat([active, selected & active], dim=1),
+            depth=torch.cat([root, tree.depth], dim=1),
+            block_mask=buffers.attention_mask(),
+        ).to(state.device)  # [b, N + 1, V]
+        verdict = self._verdict(tree, buffers, selected, logits, plan.width)
+        node_ids = torch.arange(nodes, device=state.device)
+        on_path = (node_ids.view(1, -1, 1) == verdict.path.unsqueeze(1)).any(dim=2)  # [b, N]
+        state.target.commit(torch.cat([torch.ones_like(active), on_path], dim=1))
+        drafter = self._drafter()
+        d = drafter.handle.device
+        drafter.advance_tree(
+            tree.to(d),
+            verdict.path[:, : plan.width].to(d),
+            verdict.last_node.to(d),
+            verdict.next_token.to(d),
+        )
+        self._io("on_path", (size, nodes), torch.bool).copy_(on_path)
+        accepted = verdict.accepted_tokens(tree.tokens)[:, : plan.width]  # [b, depth]
+        self._finish(accepted, verdict.num_accepted, verdict.next_token, selected.sum(dim=1))
+
+    def update(self) -> None:
+        if self.selector is None or self.selection is None:
+            return
+        state = self.state
+        size, nodes = state.size, self.selection.mask.shape[1]
+        self.selector.update(
+            self.selection,
+            state.to_full(self._io("num_accepted", (size,)), 0),
+            accepted_nodes=state.to_full(self._io("on_path", (size, nodes), torch.bool), False),
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _drafter(self) -> TreeDrafter:
+        drafter = self.state.drafter
+        assert isinstance(drafter, TreeDrafter)
+        return drafter
+
+    def _spec(self, plan: Plan) -> TreeSpec:
+        return replace(self.tree, depth=plan.width)
+
+    def _trees(self, plan: Plan) -> tuple[DraftTree, TreeBuffers]:
+        """The persistent buffers holding this step's draft trees and their derived buffers.
+
+        Shapes follow from the plan alone, so the verify stage finds what the draft stage wrote
+        even when both are replays.
+        """
+        state = self.state
+        spec = self._spec(plan)
+        size, nodes, fed = state.size, spec.num_nodes, spec.fed_nodes()
+        vocab = state.target.handle.vocab
+
+        def io(name: str, *shape: int, dtype: torch.dtype = torch.int64) -> Tensor:
+            return self._io(f"tree_{name}", (size, *shape), dtype)
+
+        probs = io("probs", nodes + 1, vocab, dtype=self._probs_dtype())
+        tree = DraftTree(
+            tokens=io("tokens", nodes),
+            logprobs=io("logprobs", nodes, dtype=torch.float32),
+            parents=io("parents", nodes),
+            depth=io("depth", nodes),
+            probs=probs if self.params.do_sample else None,
+            fed=io("fed", nodes, dtype=torch.bool),
+            fed_ids=io("fed_ids", fed),
+        )
+        buffers = TreeBuffers(
+            parents=tree.parents,
+            ancestors=io("ancestors", nodes, nodes, dtype=torch.bool),
+            depth=tree.depth,
+            paths=io("paths", nodes, nodes),
+        )
+        return tree, buffers
+
+    def _verdict(
+        self,
+        tree: DraftTree,
+        buffers: TreeBuffers,
+        selected: Tensor,  # [b, N] bool
+        logits: Tensor,  # [b, N + 1, V]
+        depth: int,
+    ) -> TreeVerdict:
+        """Greedy path matching or lossless tree sampling on the target's block output."""
+        if not self.params.do_sample:
+            return tree_greedy_verify(tree.tokens, selected, buffers, logits)
+        assert tree.probs is not None
+        return tree_rejection_verify(
+            tree.tokens,
+            selected,
+            buffers,
+            tree.probs,
+            self.params.probs(logits),
+            sampled_children=self._drafter().sampled,
+            max_depth=depth,
+            max_children=self.tree.branch,
+            generator=self.generator,
+        )
+
+    def _tree_scores(self, tree: DraftTree, sampled: bool) -> Tensor:  # -> [b, N]
+        """Node scores for the selector: causal ones for sampled children (see
+        :func:`_selection_scores`); raw log q for deterministic (top-k) children."""
+        if not sampled:
+            return tree.logprobs
+        assert tree.probs is not None
+        expected = expected_self_logprob(tree.probs)  # [b, N + 1]
+        return causal_logprobs(tree.logprobs, expected.gather(1, tree.parents + 1), tree.parents)
+
+    def _mask_unemittable_nodes(
+        self, tree: DraftTree, buffers: TreeBuffers, scores: Tensor
+    ) -> Tensor:  # [b, N] -> [b, N]
+        """``-inf`` for nodes that could not be emitted: depth >= remaining, or below an EOS."""
+        cut = tree.depth >= self._remaining().unsqueeze(1)
+        nodes = tree.tokens.shape[1]
+        eye = torch.eye(nodes, dtype=torch.bool, device=scores.device)
+        is_eos = self._is_eos(tree.tokens)  # [b, N]
+        cut = cut | (buffers.ancestors & ~eye & is_eos.unsqueeze(1)).any(dim=2)
+        return scores.masked_fill(cut, NEG_INF)
+
+
+def _selection_scores(chain: DraftChain) -> Tensor:  # -> [b, k]
+    """What the selector sees: draft log-probs, made causal when the tokens were sampled.
+
+    A selector that judged a *sampled* token by its own probability would bias speculative
+    sampling (:mod:`specselect.scores`); greedy drafts are functions of their prefix and may be
+    judged by their own probability.
+    """
+    if chain.probs is None:
+        return chain.logprobs
+    return causal_logprobs(chain.logprobs, expected_self_logprob(chain.probs))
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+__all__ = ["ChainStep", "Plan", "Step", "TreeStep"]

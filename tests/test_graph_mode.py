@@ -1,0 +1,205 @@
+"""Graph mode (``cuda_graphs``), plain decoding and the loop's host reads.
+
+On the CPU, graph mode runs in *trace* mode (``emulate_on_cpu``): each stage is traced with
+``make_fx`` on first use and the traced graph is replayed afterwards, with the live buffers as
+its constants. That reproduces what a CUDA graph replay does: the recorded ops run again on
+whatever the buffers hold, so a host value baked into a stage, or data passed outside the
+persistent buffers, gives a wrong result here too, and a host read inside a stage raises. The
+same tests run with real CUDA graphs when a GPU is present.
+
+Fixtures: ``test_generate_greedy.case`` (tiny random Llama / GPT-2 pairs, left-padded prompts,
+an EOS id that stops about half of the rows mid-run, and ``generate()``'s greedy output).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_models import PAD_ID, left_padded_prompts, tiny_pair
+from specselect import make_selector
+from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, speculative_generate
+from specselect.hf.generate import HOST_READS_PER_STEP, release_workspace
+from test_generate_greedy import MAX_NEW, NOISE, VOCAB, case
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+# (selector spec, tree): chains with a stateless and a learning selector, and a tree.
+CONFIGS = {
+    "fixed": ({"name": "fixed", "k": 3}, None),
+    "tetris": ({"name": "tetris", "k": 3, "extra": 2}, None),
+    "tetris-tree": ({"name": "tetris", "k": 3, "extra": 2}, TreeSpec(3, 2, 2)),
+    "plain": (None, None),
+}
+
+
+def run(target, draft, ids, mask, config: str, eos: object, **kwargs: object):
+    """speculative_generate with one of CONFIGS (MAX_NEW tokens unless given)."""
+    spec, tree = CONFIGS[config]
+    selector = None if spec is None else make_selector(**spec)
+    kwargs = {"max_new_tokens": MAX_NEW, "pad_token_id": PAD_ID, **kwargs}
+    return speculative_generate(
+        target, draft, ids, mask, selector=selector, tree=tree, eos_token_id=eos, **kwargs
+    )
+
+
+@pytest.mark.parametrize(
+    ("arch", "config", "rows"),
+    [
+        ("llama", "fixed", 3),
+        ("gpt2", "tetris", 5),
+        ("llama", "tetris-tree", 3),
+        ("gpt2", "plain", 5),
+    ],
+)
+def test_emulated_graphs_match_generate(arch: str, config: str, rows: int) -> None:
+    """Trace-mode graphs give generate()'s output with batches between buckets (3 -> 4,
+    5 -> 8), rows retiring mid-run (EOS) and buckets shrinking; a second call with other
+    prompts of the same shape replays the kept captures instead of making new ones."""
+    target, draft, ids, mask, eos, reference = case(arch, 0)
+    release_workspace(target)
+    with emulate_on_cpu():
+        first = run(target, draft, ids[:rows], mask[:rows], config, eos, cuda_graphs=True)
+        second = run(target, draft, ids[-rows:], mask[-rows:], config, eos, cuda_graphs=True)
+    release_workspace(target)
+    assert first.stats.mode == "trace"
+    assert torch.equal(first.sequences, reference[:rows])
+    assert torch.equal(second.sequences, reference[-rows:])
+    assert first.stats.captures > 0
+    assert second.stats.captures < first.stats.captures
+    assert min(first.stats.generated.tolist()) < MAX_NEW  # a row retired early
+
+
+def test_emulated_graphs_sample_like_eager_mode() -> None:
+    """With the same generator seed, trace-mode sampling draws the same tokens as eager mode:
+    the stages consume the generator in the same order, captured or not. (Two rows: their
+    batch sizes, 2 then 1, are graph buckets, so both modes draw tensors of the same shapes.)"""
+    target, draft, ids, mask, _, _ = case("llama", 0)
+
+    def sample(**kwargs: object) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(5)
+        out = run(
+            target,
+            draft,
+            ids[:2],
+            mask[:2],
+            "tetris",
+            [],
+            do_sample=True,
+            generator=generator,
+            **kwargs,
+        )
+        return out.sequences
+
+    with emulate_on_cpu():
+        traced = sample(cuda_graphs=True)
+    release_workspace(target)
+    assert torch.equal(traced, sample(cuda_graphs=False))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_plain_decoding_matches_generate(arch: str) -> None:
+    """selector=None decodes one token per step with the same caches; no draft is needed."""
+    target, _, ids, mask, eos, reference = case(arch, 0)
+    out = run(target, None, ids, mask, "plain", eos)
+    assert torch.equal(out.sequences, reference)
+    totals = out.stats.totals
+    assert totals.verified == 0 and totals.tokens_per_step == 1.0
+
+
+def count_reads(max_new_tokens: int, config: str) -> tuple[int, int]:
+    """(host reads, steps) of one eager generation on the CPU."""
+    target, draft = tiny_pair("llama", 0, noise=NOISE["llama"])
+    ids, mask = left_padded_prompts(4, 2, 8, VOCAB, 0)
+    with HostReads() as reads:
+        out = run(target, draft, ids, mask, config, [], max_new_tokens=max_new_tokens)
+    return reads.count, out.stats.totals.steps
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_one_host_read_per_step(config: str) -> None:
+    """Every extra step costs exactly HOST_READS_PER_STEP host reads (.item(), .tolist(),
+    int()/bool() of a tensor, data-dependent shapes): the documented read-back, nothing more.
+    Two runs of different lengths separate the per-step reads from the one-off setup reads."""
+    short_reads, short_steps = count_reads(6, config)
+    long_reads, long_steps = count_reads(30, config)
+    assert long_steps > short_steps
+    per_step = (long_reads - short_reads) / (long_steps - short_steps)
+    assert per_step == HOST_READS_PER_STEP == 1
+    assert short_reads - short_steps <= 8  # setup: prompt checks, lengths
+
+
+def test_cuda_graphs_errors() -> None:
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    if not CUDA:
+        with pytest.raises(ValueError, match=r"cuda_graphs=True, but target is on cpu"):
+            run(target, draft, ids, mask, "fixed", eos, cuda_graphs=True)
+    with pytest.raises(TypeError, match="cuda_graphs must be True, False or None"):
+        run(target, draft, ids, mask, "fixed", eos, cuda_graphs="yes")
+    # Without a GPU, None means eager mode and runs.
+    assert run(target, draft, ids, mask, "fixed", eos).stats.mode == ("cuda" if CUDA else "eager")
+
+
+def test_plain_decoding_takes_no_tree_and_a_draft_only_with_a_selector() -> None:
+    target, draft, ids, mask, _, _ = case("llama", 0)
+    with pytest.raises(ValueError, match="tree mode drafts trees"):
+        speculative_generate(target, draft, ids, mask, selector=None, tree=TreeSpec(2, 2, 2))
+    with pytest.raises(TypeError, match="draft must be a HuggingFace causal LM"):
+        speculative_generate(target, None, ids, mask, selector=make_selector("fixed", k=2))
+
+
+# ---------------------------------------------------------------------------------- on CUDA
+def cuda_case(rows: int):
+    """``case("llama", 0)`` on the GPU, its prompts tiled to ``rows`` rows, with generate()'s
+    greedy output computed there (its EOS stops about half of the rows mid-run)."""
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    target, draft = (copy.deepcopy(m).cuda() for m in (target, draft))
+    tiles = -(-rows // ids.shape[0])
+    ids, mask = (t.repeat(tiles, 1)[:rows].cuda() for t in (ids, mask))
+    reference = target.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=MAX_NEW,
+        eos_token_id=eos,
+        pad_token_id=PAD_ID,
+    )
+    return target, draft, ids, mask, eos, reference
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", ["fixed", "tetris", "tetris-tree", "plain"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+def test_cuda_graphs_match_eager_and_generate(config: str, rows: int) -> None:
+    """fp32 on a GPU: CUDA-graph mode is token-identical to eager mode and to generate(), for
+    batches on and between buckets, with rows retiring mid-run; a repeated call replays."""
+    target, draft, ids, mask, eos, reference = cuda_case(rows)
+    eager = run(target, draft, ids, mask, config, eos, cuda_graphs=False)
+    graphed = run(target, draft, ids, mask, config, eos, cuda_graphs=True)
+    again = run(target, draft, ids, mask, config, eos, cuda_graphs=True)
+    release_workspace(target)
+    assert graphed.stats.mode == "cuda" and graphed.stats.captures > 0
+    assert torch.equal(eager.sequences, reference)
+    assert torch.equal(graphed.sequences, reference)
+    assert torch.equal(again.sequences, reference)
+    assert again.stats.captures == 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_cuda_one_host_read_per_step(cuda_graphs: bool) -> None:
+    """On a GPU too, steps cost HOST_READS_PER_STEP reads, in eager and in graph mode."""
+    target, draft, ids, mask, _, _ = cuda_case(4)
+    counts = []
+    for new in (6, 30, 30):
+        with HostReads() as reads:
+            out = run(
+                target, draft, ids, mask, "fixed", [], max_new_tokens=new, cuda_graphs=cuda_graphs
+            )
+        counts.append((reads.count, out.stats.totals.steps))
+    release_workspace(target)
+    (short_reads, short_steps), _, (long_reads, long_steps) = counts  # the last one replays
+    assert (long_reads - short_reads) == HOST_READS_PER_STEP * (long_steps - short_steps)
