@@ -21,6 +21,7 @@ import torch
 from hf_models import PAD_ID, left_padded_prompts, tiny_pair
 from specselect import make_selector
 from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, speculative_generate
+from specselect.hf.compat import graph_obstacle
 from specselect.hf.generate import HOST_READS_PER_STEP, release_workspace
 from specselect.hf.graphs import StageRunner
 from test_generate_greedy import MAX_NEW, NOISE, VOCAB, case
@@ -231,3 +232,35 @@ def test_cuda_one_host_read_per_step(cuda_graphs: bool) -> None:
     release_workspace(target)
     (short_reads, short_steps), _, (long_reads, long_steps) = counts  # the last one replays
     assert (long_reads - short_reads) == HOST_READS_PER_STEP * (long_steps - short_steps)
+
+
+@pytest.mark.parametrize("fall_back", [True, False])
+def test_a_failed_capture_falls_back_to_eager_mode_unless_required(fall_back: bool) -> None:
+    """cuda_graphs=None: a capture that fails warns and the generation goes on eagerly (the
+    stage has run for real already, once); cuda_graphs=True: the failure is an error."""
+    runs: list[int] = []
+    runner = StageRunner("cuda", fall_back=fall_back)
+
+    def broken(self: StageRunner, stage: object) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StageRunner, "_capture_cuda", broken)
+        if not fall_back:
+            with pytest.raises(RuntimeError, match="not permitted"):
+                runner("key", lambda: runs.append(1))
+            return
+        with pytest.warns(RuntimeWarning, match="continues in eager mode"):
+            runner("key", lambda: runs.append(1))
+        runner("key", lambda: runs.append(2))
+    assert runs == [1, 2] and runner.mode == "eager" and runner.captures == 0
+
+
+def test_graph_obstacles_name_the_reason() -> None:
+    """Why a model cannot be captured: not on a CUDA device, or spread over devices."""
+    model = torch.nn.Linear(2, 2)
+    assert graph_obstacle(model, "draft") == "draft is on cpu, not on a CUDA device"
+    model.register_buffer("table", torch.zeros(2, device="meta"))
+    assert graph_obstacle(model, "target") == (
+        "target's weights are spread over several devices (cpu, meta)"
+    )
