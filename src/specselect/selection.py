@@ -11,6 +11,7 @@ The top-``C`` kernel that budgeted selectors run lives in :mod:`specselect.topc`
 from __future__ import annotations
 
 import abc
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -299,6 +300,19 @@ class Selector(abc.ABC):
         """Forget per-request state of ``rows`` (``[B]`` bool): their slots hold new requests."""
         if self.estimator is not None:
             self.estimator.reset_rows(rows)
+
+    @property
+    def capture_key(self) -> Hashable | None:
+        """A key under which a decoding loop may capture :meth:`select` and :meth:`update` in a
+        CUDA graph and replay them, or ``None`` (the default): they must run eagerly.
+
+        A selector may give a key only when both are device code without host reads and every
+        state they keep lives in tensors updated in place (never rebound, also by
+        :meth:`reset`). Two selectors with equal keys must record the same work on the same
+        memory: a stateless selector's key is its parameters; a stateful one must include
+        ``id(self)``.
+        """
+        return None
 
     @property
     def last_scores(self) -> Tensor | None:

@@ -7,11 +7,14 @@ A step is the same five parts for both (the skeleton is :meth:`Step.run`):
    (:meth:`~specselect.hf.state.GenerationState.make_room`);
 2. **draft** (a stage): the draft model proposes a chain or a tree per slot; the scores the
    selector will see are computed here, with unemittable positions masked;
-3. **select** (eager): ``selector.select`` on the caller's rows;
+3. **select**: ``selector.select`` on the caller's rows, eagerly between the stages, or captured
+   with the verify stage when the selector allows it (its
+   :attr:`~specselect.selection.Selector.capture_key`);
 4. **verify** (a stage): one target pass over the pending token and *every* drafted token,
    the unselected ones as holes (a static width, so the step needs no sync to know it), then
    greedy or lossless sampling verification, both caches' commits, emission and the report;
-5. **update** (eager): ``selector.update``, then the state's one read-back.
+5. **update**: ``selector.update`` (eager, or captured with selection), then the state's one
+   read-back.
 
 Stages (2 and 4) run through a :class:`~specselect.hf.graphs.StageRunner`: eagerly, or captured
 per (bucket, widths) and replayed. They exchange data only through the state's persistent
@@ -98,15 +101,36 @@ class Step(abc.ABC):
         if plan.width:
             self.runner(("draft", state.size, plan.key), lambda: self.draft(plan))
         self.clock.lap()
-        self.select(plan)
-        self.clock.lap()
-        self.runner(("verify", state.size, plan.key), lambda: self.verify(plan))
-        self.update()
+        capture = self._selector_capture()
+        if capture is None:
+            self.select(plan)
+            self.clock.lap()
+            self.runner(("verify", state.size, plan.key), lambda: self.verify(plan))
+            self.update()
+        else:  # selection and feedback are replayed with the verify pass
+            self.clock.lap()
+            self.runner(
+                ("select+verify", state.size, plan.key, capture),
+                lambda: self._select_verify_update(plan),
+            )
         self.clock.lap()
         report = state.read_back()  # the step's one host sync
         if isinstance(drafter, ChainDrafter):
             drafter.advanced(plan.width)
         return state.record(report, _now() - start)
+
+    def _select_verify_update(self, plan: Plan) -> None:
+        """Selection, the verify stage and the selector's feedback, as one capturable stage."""
+        self.select(plan)
+        self.verify(plan)
+        self.update()
+
+    def _selector_capture(self) -> Hashable | None:
+        """The selector's capture key when its work is captured with the verify pass (graph
+        mode, a capturable selector), else ``None``: it runs eagerly between the stages."""
+        if self.runner.mode == "eager" or self.selector is None:
+            return None
+        return self.selector.capture_key
 
     @abc.abstractmethod
     def plan(self) -> Plan:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -91,6 +91,14 @@ class TetrisSelector(Selector):
     def draft_length(self, num_active: int) -> int:
         check_int("num_active", num_active)
         return self.k + self.extra
+
+    @property
+    def capture_key(self) -> Hashable | None:
+        """The paper's TETRIS (no estimator, no guard) keeps no state and may be captured;
+        with an estimator or a guard, select and update run eagerly."""
+        if self.estimator is not None or self.guard is not None:
+            return None
+        return (self.name, self.k, self.extra, self.budget)
 
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
         # Work with costs (|cumulative log q|, >= +0): abs also turns a -0.0 into +0.0, which is
