@@ -446,9 +446,10 @@ class _Loop:
         generator = self.generators[self.draft.device]
         vocab, params = self.target.vocab, self.options.sampling
         args = (self.draft, layout.slots, layout.capacity, vocab, params, generator)
+        static = self.mode != "eager"
         if self.tree is None:
-            return ChainDrafter(*args)
-        return TreeDrafter(*args, sampled_children=self.tree.sampled_children)
+            return ChainDrafter(*args, static_span=static)
+        return TreeDrafter(*args, self.tree.sampled_children, static_span=static)
 
     def _prefill(self, state: GenerationState, input_ids: Tensor, attention_mask: Tensor) -> None:
         """Run both models on the prompt except its last token, which becomes pending.

@@ -142,7 +142,8 @@ class Step(abc.ABC):
 
     @abc.abstractmethod
     def select(self, plan: Plan) -> None:
-        """Eager: run the selector and write the per-slot selection to ``state.io``."""
+        """Run the selector and write the per-slot selection to ``state.io`` (eagerly, or in
+        the verify stage with a capturable selector)."""
 
     @abc.abstractmethod
     def verify(self, plan: Plan) -> None:
@@ -150,7 +151,8 @@ class Step(abc.ABC):
 
     @abc.abstractmethod
     def update(self) -> None:
-        """Eager: feed the selector the outcome of its selection (if it selected)."""
+        """Feed the selector the outcome of its selection, if it selected (eagerly, or in the
+        verify stage with a capturable selector)."""
 
     # ------------------------------------------------------------------ shared stage parts
     def _io(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.int64) -> Tensor:
