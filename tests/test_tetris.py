@@ -579,6 +579,13 @@ def test_goodput_budget_ranks_the_estimators_scores() -> None:
     assert learned.lengths.tolist() == [3, 3]
 
 
+def test_goodput_budget_runs_eagerly_in_graph_mode() -> None:
+    """Its device tables are built on the host on first use, which no CUDA graph may record:
+    no capture key, where the paper's TETRIS with a fixed budget has one."""
+    assert paper_tetris(k=2, budget=8).capture_key is not None
+    assert goodput_tetris(COST_SHAPES["flat"]).capture_key is None
+
+
 def feed(selector: TetrisSelector, steps: int, rows: int, accepted_fraction: float) -> None:
     """``steps`` outcomes where each row verifies the whole window and accepts a fraction."""
     for _ in range(steps):

@@ -123,8 +123,9 @@ class TetrisSelector(Selector):
     @property
     def capture_key(self) -> Hashable | None:
         """The paper's TETRIS (no estimator, no guard) keeps no state and may be captured;
-        with an estimator or a guard, select and update run eagerly."""
-        if self.estimator is not None or self.guard is not None:
+        with an estimator or a guard, select and update run eagerly, and so they do with the
+        goodput budget, whose device tables are built on the host when first needed."""
+        if self.estimator is not None or self.guard is not None or self._planner is not None:
             return None
         return (self.name, self.k, self.extra, self.budget)
 
