@@ -14,7 +14,7 @@ A step is the same five parts for both (the skeleton is :meth:`Step.run`):
    the unselected ones as holes (a static width, so the step needs no sync to know it), then
    greedy or lossless sampling verification, both caches' commits, emission and the report;
 5. **update**: ``selector.update`` (eager, or captured with selection), then the state's one
-   read-back.
+   read-back, and ``selector.observe`` with the verified and accepted counts it brought back.
 
 Stages (2 and 4) run through a :class:`~specselect.hf.graphs.StageRunner`: eagerly, or captured
 per (bucket, widths) and replayed. They exchange data only through the state's persistent
@@ -115,6 +115,10 @@ class Step(abc.ABC):
             )
         self.clock.lap()
         report = state.read_back()  # the step's one host sync
+        if self.selector is not None:  # the same feedback on the host: no sync of its own
+            served = sorted((row, slot) for slot, row in enumerate(state.slot_rows) if row >= 0)
+            slots = [slot for _, slot in served]  # the active rows' slots, in row order
+            self.selector.observe([report[1][s] for s in slots], [report[2][s] for s in slots])
         if isinstance(drafter, ChainDrafter):
             drafter.advanced(plan.width)
         return state.record(report, _now() - start)
