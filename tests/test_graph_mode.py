@@ -79,6 +79,40 @@ def test_emulated_graphs_match_generate(arch: str, config: str, rows: int) -> No
     assert min(first.stats.generated.tolist()) < MAX_NEW  # a row retired early
 
 
+def test_a_kept_workspace_captures_selection_per_batch_size() -> None:
+    """Captured selection maps slots to the caller's rows, whose number is baked into the
+    graph: a kept workspace serving a call of another batch size must not replay it. Here the
+    size-2 bucket is first captured by a 2-row call and then reached by a 4-row call whose rows
+    2 and 3 outlive rows 0 and 1 (EOS): a replay of the 2-row graph would index row 3 out of
+    bounds (or, with other rows, select for the wrong ones). Selection must equal eager mode's.
+    """
+    target, draft, ids, mask, eos, reference = case("llama", 0)
+    new = 24  # rows 1 and 4 stop at EOS after 9 and 6 tokens, rows 0 and 2 run to the end
+    calls = ([0, 0, 0, 0], [0, 2], [1, 4, 0, 2])  # 4 equal rows never shrink to 2 slots
+    release_workspace(target)
+    with emulate_on_cpu():
+        outs = [
+            run(
+                target,
+                draft,
+                ids[rows],
+                mask[rows],
+                "fixed",
+                eos,
+                cuda_graphs=True,
+                max_new_tokens=new,
+            )
+            for rows in calls
+        ]
+    rows = calls[-1]
+    eager = run(target, draft, ids[rows], mask[rows], "fixed", eos, max_new_tokens=new)
+    release_workspace(target)
+    for rows, out in zip(calls, outs, strict=True):
+        assert torch.equal(out.sequences, reference[rows, : ids.shape[1] + new])
+    assert outs[-1].stats.captures < outs[0].stats.captures  # the workspace was kept
+    assert torch.equal(outs[-1].stats.verified, eager.stats.verified)
+
+
 @pytest.mark.parametrize(
     ("config", "captured"), [("fixed", True), ("paper-tree", True), ("tetris", False)]
 )

@@ -109,8 +109,9 @@ class Step(abc.ABC):
             self.update()
         else:  # selection and feedback are replayed with the verify pass
             self.clock.lap()
+            # The selector sees the caller's rows: their number is part of the captured code.
             self.runner(
-                ("select+verify", state.size, plan.key, capture),
+                ("select+verify", state.size, state.batch, plan.key, capture),
                 lambda: self._select_verify_update(plan),
             )
         self.clock.lap()
