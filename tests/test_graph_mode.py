@@ -14,6 +14,8 @@ an EOS id that stops about half of the rows mid-run, and ``generate()``'s greedy
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -111,6 +113,19 @@ def test_a_kept_workspace_captures_selection_per_batch_size() -> None:
         assert torch.equal(out.sequences, reference[rows, : ids.shape[1] + new])
     assert outs[-1].stats.captures < outs[0].stats.captures  # the workspace was kept
     assert torch.equal(outs[-1].stats.verified, eager.stats.verified)
+
+
+def test_a_kept_workspace_does_not_keep_the_models_alive() -> None:
+    """The workspace kept on the target must let both models be freed (it is dropped with the
+    target), as in eager mode: it holds them weakly."""
+    target, draft = tiny_pair("llama", 0, noise=NOISE["llama"])
+    ids, mask = left_padded_prompts(2, 2, 6, VOCAB, 0)
+    with emulate_on_cpu():
+        run(target, draft, ids, mask, "fixed", [], cuda_graphs=True, max_new_tokens=4)
+    models = [weakref.ref(target), weakref.ref(draft)]
+    del target, draft
+    gc.collect()
+    assert [model() for model in models] == [None, None]
 
 
 @pytest.mark.parametrize(

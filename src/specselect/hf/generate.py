@@ -417,6 +417,8 @@ class _Loop:
         )
         key = (
             self.mode,
+            self.target.facts(),
+            None if self.draft is None else self.draft.facts(),
             self.tree,
             self.options.sampling,
             *(id(g) for g in self.generators.values()),
@@ -433,7 +435,8 @@ class _Loop:
             kept.runner.fall_back = self.fall_back
             return kept.state, kept.runner
         _WORKSPACES.pop(self.target.model, None)  # free the old buffers before allocating
-        state = GenerationState(self.target, self._drafter(layout), layout, graphs)
+        # The state holds the models weakly: a kept workspace must not keep them alive.
+        state = GenerationState(self.target.weak(), self._drafter(layout), layout, graphs)
         runner = StageRunner(self.mode, list(self.generators.values()), fall_back=self.fall_back)
         if graphs:
             draft_ref = None if draft is None else weakref.ref(draft)
@@ -445,7 +448,7 @@ class _Loop:
             return None
         generator = self.generators[self.draft.device]
         vocab, params = self.target.vocab, self.options.sampling
-        args = (self.draft, layout.slots, layout.capacity, vocab, params, generator)
+        args = (self.draft.weak(), layout.slots, layout.capacity, vocab, params, generator)
         static = self.mode != "eager"
         if self.tree is None:
             return ChainDrafter(*args, static_span=static)

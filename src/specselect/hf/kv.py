@@ -253,8 +253,9 @@ class ModelCache:
         own cache) would otherwise decode from an empty context without an error.
         """
         if self.used and not self.kv.written():
+            name = self.handle.model.__class__.__name__  # not type(): the handle holds a proxy
             raise RuntimeError(
-                f"{type(self.handle.model).__name__} ran but did not write its keys and values "
+                f"{name} ran but did not write its keys and values "
                 "to the cache it was given: it does not append to past_key_values"
             )
 
