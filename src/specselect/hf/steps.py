@@ -91,11 +91,11 @@ class Step(abc.ABC):
         plan = self.plan()
         state.make_room(plan.target_columns, plan.draft_columns)
         drafter = state.drafter
-        if isinstance(drafter, ChainDrafter) and drafter.must_absorb(plan.width):
-            drafter.absorb(state.size)
         state.target.reserve(plan.target_columns)
         if drafter is not None:
             drafter.cache.reserve(plan.draft_columns)
+            if drafter.must_absorb(plan.width):
+                drafter.absorb(state.size)
         start = _now()
         self.clock.lap()
         if plan.width:
@@ -312,7 +312,7 @@ class TreeStep(Step):
         depth = min(self.tree.depth, window, state.most_remaining - 1)
         key = ("tree", depth, drafter.width)
         if depth == 0:  # no row can emit a draft token: a plain step
-            return Plan(0, 1, 0, key)
+            return Plan(0, 1, drafter.footprint(0), key)
         spec = replace(self.tree, depth=depth)
         return Plan(depth, 1 + spec.num_nodes, drafter.tree_footprint(spec), key)
 
