@@ -81,6 +81,38 @@ def test_emulated_graphs_match_generate(arch: str, config: str, rows: int) -> No
     assert min(first.stats.generated.tolist()) < MAX_NEW  # a row retired early
 
 
+@pytest.mark.parametrize("config", ["plain", "fixed"])
+def test_emulated_graphs_with_one_token_prompts(config: str) -> None:
+    """One-token prompts leave nothing to prefill, so the caches' buffers are allocated by the
+    first pass inside a stage: they must outlive it (a trace that allocated them would replay
+    into fresh buffers, losing every step's keys, or those of the first steps of a second
+    call, which here has other prompts)."""
+    target, draft, ids, mask, _, _ = case("llama", 0)
+    ids, mask = ids[:, -1:], mask[:, -1:]
+    release_workspace(target)
+    for rows in (slice(0, 3), slice(3, 6)):
+        reference = target.generate(
+            ids[rows],
+            attention_mask=mask[rows],
+            do_sample=False,
+            max_new_tokens=12,
+            eos_token_id=[],
+        )
+        with emulate_on_cpu():
+            out = run(
+                target,
+                draft,
+                ids[rows],
+                mask[rows],
+                config,
+                [],
+                max_new_tokens=12,
+                cuda_graphs=True,
+            )
+        assert torch.equal(out.sequences, reference)
+    release_workspace(target)
+
+
 def test_a_kept_workspace_captures_selection_per_batch_size() -> None:
     """Captured selection maps slots to the caller's rows, whose number is baked into the
     graph: a kept workspace serving a call of another batch size must not replay it. Here the
