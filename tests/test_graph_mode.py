@@ -236,6 +236,17 @@ def test_plain_decoding_matches_generate(arch: str) -> None:
     assert totals.verified == 0 and totals.tokens_per_step == 1.0
 
 
+def test_time_split_covers_the_whole_step() -> None:
+    """The phases of a step (planning and compaction, draft, select, verify, the read-back's
+    bookkeeping) are each timed and together make up the steps' time."""
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    stats = run(target, draft, ids, mask, "tetris", eos, max_new_tokens=12).stats
+    phases = [stats.draft_seconds, stats.select_seconds, stats.verify_seconds, stats.other_seconds]
+    assert min(phases) > 0
+    steps = sum(step.seconds for step in stats.steps)
+    assert 0.9 * steps <= sum(phases) <= steps + 0.1
+
+
 def count_reads(max_new_tokens: int, config: str) -> tuple[int, int]:
     """(host reads, steps) of one eager generation on the CPU."""
     target, draft = tiny_pair("llama", 0, noise=NOISE["llama"])

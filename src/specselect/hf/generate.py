@@ -59,7 +59,7 @@ from specselect.hf.draft import ChainDrafter
 from specselect.hf.graphs import Mode, StageRunner, bucket_for, emulating_on_cpu
 from specselect.hf.options import UNSET, GenerationOptions, resolve_options
 from specselect.hf.state import GenerationState, GenerationStats, Layout, PhaseClock
-from specselect.hf.steps import ChainStep, Step, TreeStep
+from specselect.hf.steps import PHASES, ChainStep, Step, TreeStep
 from specselect.hf.tree_draft import TreeDrafter
 from specselect.metrics import Totals
 from specselect.sampling import check_generator
@@ -386,7 +386,7 @@ class _Loop:
         state, runner = self._workspace(input_ids)
         captured = runner.captures
         state.start(self.options, input_ids.shape[0])
-        clock = PhaseClock(self.target.device, phases=3)
+        clock = PhaseClock(self.target.device, phases=len(PHASES))
         generator = self.generators[self.target.device]
         args = (state, runner, self.selector, self.options.sampling, generator, clock)
         step = ChainStep(*args) if self.tree is None else TreeStep(*args, tree=self.tree)
@@ -396,7 +396,10 @@ class _Loop:
             state.stats.prefill_seconds = time.perf_counter() - start
             self._steps(state, step, progress)
         stats = state.stats
-        stats.draft_seconds, stats.select_seconds, stats.verify_seconds = clock.totals()
+        seconds = dict(zip(PHASES, clock.totals(), strict=True))
+        stats.draft_seconds, stats.select_seconds = seconds["draft"], seconds["select"]
+        stats.verify_seconds = seconds["verify"]
+        stats.other_seconds = seconds["prepare"] + seconds["finish"]
         stats.captures, stats.mode = runner.captures - captured, runner.mode
         return SpeculativeOutput(state.result(input_ids), stats)
 

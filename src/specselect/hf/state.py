@@ -50,11 +50,13 @@ class GenerationStats:
     token is EOS the target's extra token after it is dropped from ``sequences``, so a row's
     emitted count can exceed its real new tokens (``generated``) by one.
 
-    Time: ``draft_seconds`` (drafting), ``select_seconds`` (scores and selection),
-    ``verify_seconds`` (target pass, verification and the device bookkeeping up to the
-    read-back) and ``other_seconds`` (the host's bookkeeping after it: statistics, retiring
-    rows, compaction) are device times on a GPU (CUDA events, read once at the end) and wall
-    times on a CPU; ``prefill_seconds`` is the prompt pass. ``cache_widths`` holds the columns
+    Time: ``draft_seconds`` (drafting and the selector's scores), ``select_seconds``
+    (selection when it runs between the stages; graph mode replays a capturable selector's
+    with the verify pass, which then counts it), ``verify_seconds`` (target pass,
+    verification, the device bookkeeping and the selector's update) and ``other_seconds``
+    (planning and compaction before the draft, the read-back and the host's bookkeeping after
+    it: statistics, retiring rows) are device times on a GPU (CUDA events, read once at the
+    end) and wall times on a CPU; ``prefill_seconds`` is the prompt pass. ``cache_widths`` holds the columns
     in use in each model's cache after each step; ``compactions`` counts cache compactions and
     ``captures`` the CUDA graphs captured (0 in eager mode).
     """

@@ -46,6 +46,10 @@ from specselect.verify import greedy_verify, rejection_verify
 from specselect.verify_tree import TreeVerdict, tree_greedy_verify, tree_rejection_verify
 
 
+#: The phases of a step, timed by its :class:`~specselect.hf.state.PhaseClock`.
+PHASES = ("prepare", "draft", "select", "verify", "finish")
+
+
 @dataclass(frozen=True)
 class Plan:
     """What the host decided for one step (everything a stage's shapes depend on)."""
@@ -65,7 +69,7 @@ class Step(abc.ABC):
         selector: chooses what the target verifies (``None``: plain decoding).
         params: token choice (greedy or sampling), shared by both models.
         generator: RNG on the target's device (sampling).
-        clock: per-phase timing (draft, select, verify).
+        clock: per-phase timing (:data:`PHASES`).
     """
 
     def __init__(
@@ -86,8 +90,14 @@ class Step(abc.ABC):
         self.selection: Selection | None = None  # the current step's, for update()
 
     def run(self) -> int:
-        """One step; returns the progress bar's advance (see ``GenerationState.record``)."""
-        state = self.state
+        """One step; returns the progress bar's advance (see ``GenerationState.record``).
+
+        The clock laps between the phases of :data:`PHASES`: preparation (plan, compaction),
+        draft, select, verify, and the host's bookkeeping after the read-back.
+        """
+        state, clock = self.state, self.clock
+        start = _now()
+        clock.lap()
         plan = self.plan()
         state.make_room(plan.target_columns, plan.draft_columns)
         drafter = state.drafter
@@ -96,33 +106,34 @@ class Step(abc.ABC):
             drafter.cache.reserve(plan.draft_columns)
             if drafter.must_absorb(plan.width):
                 drafter.absorb(state.size)
-        start = _now()
-        self.clock.lap()
+        clock.lap()
         if plan.width:
             self.runner(("draft", state.size, plan.key), lambda: self.draft(plan))
-        self.clock.lap()
+        clock.lap()
         capture = self._selector_capture()
         if capture is None:
             self.select(plan)
-            self.clock.lap()
+            clock.lap()
             self.runner(("verify", state.size, plan.key), lambda: self.verify(plan))
             self.update()
         else:  # selection and feedback are replayed with the verify pass
-            self.clock.lap()
+            clock.lap()
             # The selector sees the caller's rows: their number is part of the captured code.
             self.runner(
                 ("select+verify", state.size, state.batch, plan.key, capture),
                 lambda: self._select_verify_update(plan),
             )
-        self.clock.lap()
+        clock.lap()
         report = state.read_back()  # the step's one host sync
         if self.selector is not None:  # the same feedback on the host: no sync of its own
             served = sorted((row, slot) for slot, row in enumerate(state.slot_rows) if row >= 0)
             slots = [slot for _, slot in served]  # the active rows' slots, in row order
             self.selector.observe([report[1][s] for s in slots], [report[2][s] for s in slots])
-        if isinstance(drafter, ChainDrafter):
+        if drafter is not None:
             drafter.advanced(plan.width)
-        return state.record(report, _now() - start)
+        advance = state.record(report, _now() - start)
+        clock.lap()
+        return advance
 
     def _select_verify_update(self, plan: Plan) -> None:
         """Selection, the verify stage and the selector's feedback, as one capturable stage."""
@@ -497,4 +508,4 @@ def _now() -> float:
     return time.perf_counter()
 
 
-__all__ = ["ChainStep", "Plan", "Step", "TreeStep"]
+__all__ = ["PHASES", "ChainStep", "Plan", "Step", "TreeStep"]
