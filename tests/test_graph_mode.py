@@ -20,11 +20,12 @@ import weakref
 import pytest
 import torch
 
+import specselect.hf.generate as hf_generate
 from hf_models import PAD_ID, left_padded_prompts, tiny_pair
 from specselect import make_selector
 from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, speculative_generate
-from specselect.hf.compat import graph_obstacle
-from specselect.hf.generate import HOST_READS_PER_STEP, release_workspace
+from specselect.hf.compat import ModelHandle, graph_obstacle
+from specselect.hf.generate import HOST_READS_PER_STEP, graph_mode, release_workspace
 from specselect.hf.graphs import StageRunner
 from test_generate_greedy import MAX_NEW, NOISE, VOCAB, case
 
@@ -362,6 +363,23 @@ def test_a_failed_capture_falls_back_to_eager_mode_unless_required(fall_back: bo
             runner("key", lambda: runs.append(1))
         runner("key", lambda: runs.append(2))
     assert runs == [1, 2] and runner.mode == "eager" and runner.captures == 0
+
+
+def test_graph_mode_needs_both_models_on_one_device() -> None:
+    """A CUDA graph records one device's stream: a draft on another GPU than the target would
+    run outside the capture (twice: for real, then again while capturing) and not be replayed.
+    Devices are faked (no GPU needed): each model alone passes the per-model checks."""
+    model = torch.nn.Linear(2, 2)
+    target, draft = (
+        ModelHandle(model, torch.device(name), 8, "sdpa", torch.float32, True, 1)
+        for name in ("cuda:0", "cuda:1")
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hf_generate, "graph_obstacle", lambda model, name: None)
+        assert graph_mode(True, target, target, [None]) == "cuda"
+        assert graph_mode(None, target, draft, [None]) == "eager"
+        with pytest.raises(ValueError, match=r"target sits on cuda:0 and draft on cuda:1"):
+            graph_mode(True, target, draft, [None])
 
 
 def test_graph_obstacles_name_the_reason() -> None:

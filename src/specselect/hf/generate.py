@@ -146,7 +146,7 @@ def speculative_generate(
             most ``selector.draft_length()`` deep; the selector must support trees
             (``supports_trees``), and its budget counts tree nodes (the root excluded).
         cuda_graphs: capture the draft and verify passes in CUDA graphs and replay them.
-            ``None`` (default): when both models sit on one CUDA device each (if a capture fails,
+            ``None`` (default): when both models sit on the same CUDA device (if a capture fails,
             a warning says why and the call goes on eagerly); ``True``: required (raises, saying
             why, where impossible); ``False``: eager.
 
@@ -229,6 +229,9 @@ def graph_mode(
         return "trace"
     handles = [("target", target)] + ([("draft", draft)] if draft is not None else [])
     reasons = [graph_obstacle(h.model, name) for name, h in handles]
+    if draft is not None and draft.device != target.device:
+        # A graph records the stream of one device: the other model would run outside it.
+        reasons.append(f"target sits on {target.device} and draft on {draft.device}")
     reason = next((r for r in reasons if r is not None), None)
     user_generator = any(g is not None for g in generators)
     if reason is None and user_generator and not hasattr(torch.cuda.CUDAGraph, _REGISTER):
