@@ -148,6 +148,20 @@ def test_a_kept_workspace_captures_selection_per_batch_size() -> None:
     assert torch.equal(outs[-1].stats.verified, eager.stats.verified)
 
 
+def test_an_eager_call_leaves_the_kept_workspace() -> None:
+    """Eager calls keep nothing and drop nothing: graph mode's next call still replays."""
+    target, draft, ids, mask, eos, reference = case("gpt2", 0)
+    release_workspace(target)
+    with emulate_on_cpu():
+        first = run(target, draft, ids[:3], mask[:3], "plain", eos, cuda_graphs=True)
+        eager = run(target, draft, ids[:3], mask[:3], "plain", eos, cuda_graphs=False)
+        again = run(target, draft, ids[:3], mask[:3], "plain", eos, cuda_graphs=True)
+    release_workspace(target)
+    for out in (first, eager, again):
+        assert torch.equal(out.sequences, reference[:3])
+    assert first.stats.captures > 0 and again.stats.captures == 0
+
+
 def test_a_kept_workspace_does_not_keep_the_models_alive() -> None:
     """The workspace kept on the target must let both models be freed (it is dropped with the
     target), as in eager mode: it holds them weakly."""

@@ -360,7 +360,7 @@ def release_workspace(target: torch.nn.Module) -> None:
 
     ``speculative_generate(..., cuda_graphs=...)`` keeps them so that the next call of a
     compatible shape replays its graphs instead of capturing them again; they are also freed
-    when ``target`` is, or replaced by an incompatible call.
+    when ``target`` is, or replaced by an incompatible graph-mode call (eager calls leave them).
     """
     _WORKSPACES.pop(target, None)
 
@@ -440,7 +440,8 @@ class _Loop:
         ):
             kept.runner.fall_back = self.fall_back
             return kept.state, kept.runner
-        _WORKSPACES.pop(self.target.model, None)  # free the old buffers before allocating
+        if graphs:  # replaced: free the old buffers before allocating (eager mode keeps it)
+            _WORKSPACES.pop(self.target.model, None)
         # The state holds the models weakly: a kept workspace must not keep them alive.
         state = GenerationState(self.target.weak(), self._drafter(layout), layout, graphs)
         runner = StageRunner(self.mode, list(self.generators.values()), fall_back=self.fall_back)
