@@ -162,6 +162,19 @@ def test_an_eager_call_leaves_the_kept_workspace() -> None:
     assert first.stats.captures > 0 and again.stats.captures == 0
 
 
+def test_greedy_trees_keep_no_draft_distributions() -> None:
+    """Only sampling needs the draft's distributions (``[slots, nodes + 1, vocab]`` per tree
+    shape, hundreds of MB at a real vocabulary): greedy tree steps allocate no buffer for them."""
+    target, draft, ids, mask, eos, reference = case("llama", 0)
+    release_workspace(target)
+    with emulate_on_cpu():
+        out = run(target, draft, ids[:3], mask[:3], "paper-tree", eos, cuda_graphs=True)
+    names = hf_generate._WORKSPACES[target].state.io.names()
+    release_workspace(target)
+    assert torch.equal(out.sequences, reference[:3])
+    assert "tree_tokens" in names and "tree_probs" not in names
+
+
 def test_a_kept_workspace_does_not_keep_the_models_alive() -> None:
     """The workspace kept on the target must let both models be freed (it is dropped with the
     target), as in eager mode: it holds them weakly."""

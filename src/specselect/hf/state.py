@@ -118,6 +118,10 @@ class Buffers:
             self._store[key] = tensor
         return tensor
 
+    def names(self) -> set[str]:
+        """The names of the buffers allocated so far (any shape)."""
+        return {name for name, _, _ in self._store}
+
 
 class PhaseClock:
     """Per-phase time of every step without extra host syncs.

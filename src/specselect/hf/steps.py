@@ -429,13 +429,15 @@ class TreeStep(Step):
         def io(name: str, *shape: int, dtype: torch.dtype = torch.int64) -> Tensor:
             return self._io(f"tree_{name}", (size, *shape), dtype)
 
-        probs = io("probs", nodes + 1, vocab, dtype=self._probs_dtype())
+        probs = None  # only sampling verifies against the draft's distributions
+        if self.params.do_sample:
+            probs = io("probs", nodes + 1, vocab, dtype=self._probs_dtype())
         tree = DraftTree(
             tokens=io("tokens", nodes),
             logprobs=io("logprobs", nodes, dtype=torch.float32),
             parents=io("parents", nodes),
             depth=io("depth", nodes),
-            probs=probs if self.params.do_sample else None,
+            probs=probs,
             fed=io("fed", nodes, dtype=torch.bool),
             fed_ids=io("fed_ids", fed),
         )
