@@ -56,9 +56,9 @@ class GenerationStats:
     verification, the device bookkeeping and the selector's update) and ``other_seconds``
     (planning and compaction before the draft, the read-back and the host's bookkeeping after
     it: statistics, retiring rows) are device times on a GPU (CUDA events, read once at the
-    end) and wall times on a CPU; ``prefill_seconds`` is the prompt pass. ``cache_widths`` holds the columns
-    in use in each model's cache after each step; ``compactions`` counts cache compactions and
-    ``captures`` the CUDA graphs captured (0 in eager mode).
+    end) and wall times on a CPU; ``prefill_seconds`` is the prompt pass. ``cache_widths``
+    holds the columns in use in each model's cache after each step; ``compactions`` counts
+    cache compactions and ``captures`` the graphs captured (0 in eager mode).
     """
 
     steps: list[StepCounts] = field(default_factory=list)

@@ -45,7 +45,6 @@ from specselect.tree import TreeBuffers, TreeSpec, build_tree_buffers, path_sums
 from specselect.verify import greedy_verify, rejection_verify
 from specselect.verify_tree import TreeVerdict, tree_greedy_verify, tree_rejection_verify
 
-
 #: The phases of a step, timed by its :class:`~specselect.hf.state.PhaseClock`.
 PHASES = ("prepare", "draft", "select", "verify", "finish")
 
@@ -57,7 +56,7 @@ class Plan:
     width: int  # draft length k (chains) or tree depth (trees); 0 = no drafting
     target_columns: int  # cache columns the verify pass writes
     draft_columns: int  # cache columns the draft stage writes
-    key: Hashable  # capture key of both stages (with the bucket size)
+    key: Hashable  # capture key of both stages (the runner adds the bucket size)
 
 
 class Step(abc.ABC):
@@ -188,9 +187,6 @@ class Step(abc.ABC):
         self._io("num_accepted", (state.size,)).copy_(num_accepted)
         state.write_report(finished, verified, num_accepted, written)
 
-    def _remaining(self) -> Tensor:  # [b]
-        return self.state.remaining()
-
     def _is_eos(self, tokens: Tensor) -> Tensor:  # [b, n] -> [b, n] bool
         eos = self.state.eos
         if not eos.numel():
@@ -295,7 +291,7 @@ class ChainStep(Step):
         row may emit is the target's), and every position after a drafted EOS."""
         k = scores.shape[1]
         columns = torch.arange(k, device=scores.device)
-        cut = columns.unsqueeze(0) >= (self._remaining() - 1).unsqueeze(1)
+        cut = columns.unsqueeze(0) >= (self.state.remaining() - 1).unsqueeze(1)
         is_eos = self._is_eos(tokens).to(torch.int64)
         cut = cut | ((is_eos.cumsum(dim=1) - is_eos) > 0)  # strictly after the first EOS
         return scores.masked_fill(cut, NEG_INF)
@@ -486,7 +482,7 @@ class TreeStep(Step):
         self, tree: DraftTree, buffers: TreeBuffers, scores: Tensor
     ) -> Tensor:  # [b, N] -> [b, N]
         """``-inf`` for nodes that could not be emitted: depth >= remaining, or below an EOS."""
-        cut = tree.depth >= self._remaining().unsqueeze(1)
+        cut = tree.depth >= self.state.remaining().unsqueeze(1)
         nodes = tree.tokens.shape[1]
         eye = torch.eye(nodes, dtype=torch.bool, device=scores.device)
         is_eos = self._is_eos(tree.tokens)  # [b, N]
