@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import specselect.hf.generate as hf_generate
-from hf_models import PAD_ID, left_padded_prompts, tiny_pair
+from hf_models import EOS_ID, PAD_ID, left_padded_prompts, tiny_pair
 from specselect import make_selector
 from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, speculative_generate
 from specselect.hf.compat import ModelHandle, graph_obstacle
@@ -275,22 +275,34 @@ def test_time_split_covers_the_whole_step() -> None:
     assert 0.9 * steps <= sum(phases) <= steps + 0.1
 
 
-def count_reads(max_new_tokens: int, config: str) -> tuple[int, int]:
+#: More EOS ids than torch.isin compares one by one: it would sort and deduplicate them, which
+#: on a GPU reads the unique count back (a sync). One id repeated, which these runs never
+#: produce, so that the rows run to their length.
+MANY_EOS = (EOS_ID,) * 32
+
+
+def count_reads(max_new_tokens: int, config: str, eos: tuple[int, ...]) -> tuple[int, int]:
     """(host reads, steps) of one eager generation on the CPU."""
     target, draft = tiny_pair("llama", 0, noise=NOISE["llama"])
     ids, mask = left_padded_prompts(4, 2, 8, VOCAB, 0)
     with HostReads() as reads:
-        out = run(target, draft, ids, mask, config, [], max_new_tokens=max_new_tokens)
+        out = run(target, draft, ids, mask, config, list(eos), max_new_tokens=max_new_tokens)
     return reads.count, out.stats.totals.steps
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_one_host_read_per_step(config: str) -> None:
+@pytest.mark.parametrize(
+    ("config", "eos"),
+    [(config, ()) for config in sorted(CONFIGS)]
+    + [(config, MANY_EOS) for config in ("fixed", "tetris-tree", "plain")],
+    ids=lambda value: f"{len(value)}-eos" if isinstance(value, tuple) else value,
+)
+def test_one_host_read_per_step(config: str, eos: tuple[int, ...]) -> None:
     """Every extra step costs exactly HOST_READS_PER_STEP host reads (.item(), .tolist(),
-    int()/bool() of a tensor, data-dependent shapes): the documented read-back, nothing more.
-    Two runs of different lengths separate the per-step reads from the one-off setup reads."""
-    short_reads, short_steps = count_reads(6, config)
-    long_reads, long_steps = count_reads(30, config)
+    int()/bool() of a tensor, data-dependent shapes): the documented read-back, nothing more,
+    also with many EOS ids. Two runs of different lengths separate the per-step reads from the
+    one-off setup reads."""
+    short_reads, short_steps = count_reads(6, config, eos)
+    long_reads, long_steps = count_reads(30, config, eos)
     assert long_steps > short_steps
     per_step = (long_reads - short_reads) / (long_steps - short_steps)
     assert per_step == HOST_READS_PER_STEP == 1

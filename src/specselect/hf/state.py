@@ -280,6 +280,11 @@ class GenerationState:
         size = self.size
         return (self.max_new - self.generated[:size]) * self.active[:size]
 
+    def is_eos(self, tokens: Tensor) -> Tensor:  # [...] int64 -> [...] bool
+        """Which tokens are EOS ids, by broadcast comparison: ``torch.isin`` sorts and
+        deduplicates many ids, which reads their unique count back (a sync on a GPU)."""
+        return (tokens.unsqueeze(-1) == self.eos).any(dim=-1)
+
     def emit(
         self,
         tokens: Tensor,  # [b, W - 1] int64 the accepted-path tokens (first num_accepted count)
@@ -299,7 +304,7 @@ class GenerationState:
         count = num_accepted + 1
         hit_eos = torch.zeros_like(active)
         if self.eos.numel():
-            is_eos = torch.isin(emitted, self.eos) & (columns < count.unsqueeze(1))
+            is_eos = self.is_eos(emitted) & (columns < count.unsqueeze(1))
             hit_eos = is_eos.any(dim=1)
             first = is_eos.to(torch.int64).argmax(dim=1)
             count = torch.where(hit_eos, first + 1, count)

@@ -187,12 +187,6 @@ class Step(abc.ABC):
         self._io("num_accepted", (state.size,)).copy_(num_accepted)
         state.write_report(finished, verified, num_accepted, written)
 
-    def _is_eos(self, tokens: Tensor) -> Tensor:  # [b, n] -> [b, n] bool
-        eos = self.state.eos
-        if not eos.numel():
-            return torch.zeros_like(tokens, dtype=torch.bool)
-        return torch.isin(tokens, eos)
-
     def _verify_chain(self, k: int) -> None:
         """The flat verify stage (chain steps, and tree steps without a tree).
 
@@ -292,7 +286,7 @@ class ChainStep(Step):
         k = scores.shape[1]
         columns = torch.arange(k, device=scores.device)
         cut = columns.unsqueeze(0) >= (self.state.remaining() - 1).unsqueeze(1)
-        is_eos = self._is_eos(tokens).to(torch.int64)
+        is_eos = self.state.is_eos(tokens).to(torch.int64)
         cut = cut | ((is_eos.cumsum(dim=1) - is_eos) > 0)  # strictly after the first EOS
         return scores.masked_fill(cut, NEG_INF)
 
@@ -485,7 +479,7 @@ class TreeStep(Step):
         cut = tree.depth >= self.state.remaining().unsqueeze(1)
         nodes = tree.tokens.shape[1]
         eye = torch.eye(nodes, dtype=torch.bool, device=scores.device)
-        is_eos = self._is_eos(tree.tokens)  # [b, N]
+        is_eos = self.state.is_eos(tree.tokens)  # [b, N]
         cut = cut | (buffers.ancestors & ~eye & is_eos.unsqueeze(1)).any(dim=2)
         return scores.masked_fill(cut, NEG_INF)
 
