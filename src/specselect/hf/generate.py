@@ -409,18 +409,9 @@ class _Loop:
     def _workspace(self, input_ids: Tensor) -> tuple[GenerationState, StageRunner]:
         """The state (caches sized for the whole call) and the stage runner: the target's kept
         workspace when it serves this call (graph mode), else new ones."""
-        batch, prompt = input_ids.shape
         graphs = self.mode != "eager"
-        capacity = prompt + self.options.max_new_tokens + self.slack
-        if self.tree is not None:  # a step's tree must fit beside a full row
-            capacity += self.tree.num_nodes + self.tree.fed_nodes() + 2
-        layout = Layout(
-            slots=max(bucket_for(batch, graphs), 1),
-            capacity=capacity,
-            batch=batch,
-            max_new_tokens=self.options.max_new_tokens,
-            eos=len(self.options.eos_token_ids),
-        )
+        batch, prompt = input_ids.shape
+        layout = self._layout(batch, prompt, graphs)
         key = (
             self.mode,
             self.target.facts(),
@@ -449,6 +440,20 @@ class _Loop:
             draft_ref = None if draft is None else weakref.ref(draft)
             _WORKSPACES[self.target.model] = _Workspace(key, draft_ref, state, runner)
         return state, runner
+
+    def _layout(self, batch: int, prompt: int, graphs: bool) -> Layout:
+        """What this call needs allocated: slots for its bucket, cache columns for the longest
+        row plus the slack (and a step's tree)."""
+        capacity = prompt + self.options.max_new_tokens + self.slack
+        if self.tree is not None:  # a step's tree must fit beside a full row
+            capacity += self.tree.num_nodes + self.tree.fed_nodes() + 2
+        return Layout(
+            slots=max(bucket_for(batch, graphs), 1),
+            capacity=capacity,
+            batch=batch,
+            max_new_tokens=self.options.max_new_tokens,
+            eos=len(self.options.eos_token_ids),
+        )
 
     def _drafter(self, layout: Layout) -> ChainDrafter | None:
         if self.draft is None:

@@ -94,17 +94,10 @@ class Step(abc.ABC):
         The clock laps between the phases of :data:`PHASES`: preparation (plan, compaction),
         draft, select, verify, and the host's bookkeeping after the read-back.
         """
-        state, clock = self.state, self.clock
+        state, clock, drafter = self.state, self.clock, self.state.drafter
         start = _now()
         clock.lap()
-        plan = self.plan()
-        state.make_room(plan.target_columns, plan.draft_columns)
-        drafter = state.drafter
-        state.target.reserve(plan.target_columns)
-        if drafter is not None:
-            drafter.cache.reserve(plan.draft_columns)
-            if drafter.must_absorb(plan.width):
-                drafter.absorb(state.size)
+        plan = self._prepare()
         clock.lap()
         if plan.width:
             self.runner(("draft", state.size, plan.key), lambda: self.draft(plan))
@@ -133,6 +126,20 @@ class Step(abc.ABC):
         advance = state.record(report, _now() - start)
         clock.lap()
         return advance
+
+    def _prepare(self) -> Plan:
+        """Plan the step and give it its cache columns (compacting, or absorbing a full draft
+        backlog, first when needed)."""
+        state = self.state
+        plan = self.plan()
+        state.make_room(plan.target_columns, plan.draft_columns)
+        state.target.reserve(plan.target_columns)
+        drafter = state.drafter
+        if drafter is not None:
+            drafter.cache.reserve(plan.draft_columns)
+            if drafter.must_absorb(plan.width):
+                drafter.absorb(state.size)
+        return plan
 
     def _select_verify_update(self, plan: Plan) -> None:
         """Selection, the verify stage and the selector's feedback, as one capturable stage."""
