@@ -12,6 +12,7 @@ from specselect._checks import check_int
 from specselect.constants import cached_constant
 from specselect.cost import CostModel
 from specselect.estimators import (
+    DEFAULT_ESTIMATOR,
     NO_ESTIMATOR,
     AcceptanceEstimator,
     RankingGuard,
@@ -47,14 +48,16 @@ class TetrisSelector(Selector):
             longer windows than ``k``.
         budget: a fixed total ``C`` per step instead of ``k * num_active``.
         estimator: an :class:`~specselect.estimators.AcceptanceEstimator` (or its registry name:
-            ``"draft"``, ``"calibrated"``, ``"history"``) that turns draft log-probabilities into
-            estimated acceptance log-probabilities before ranking. The default,
-            :class:`~specselect.estimators.RequestHistory`, won on exact replay of the shipped
-            pair (docs: "Acceptance estimators"); ``None`` ranks by the draft probabilities
-            themselves, exactly as in the paper.
-        guard: fall back to the fixed window ``k`` while the ranking quality of the scores is
-            poor (see :class:`~specselect.estimators.RankingGuard`), so that the worst case is
-            standard SD; ``True`` (default) for the default guard, ``False`` for none.
+            ``"draft"``, ``"calibrated"``, ``"history"``, ``"choice"``) that turns draft
+            log-probabilities into estimated acceptance log-probabilities before ranking. The
+            default, :class:`~specselect.estimators.RankingChoice`, ranks by the draft
+            probabilities (as the paper) until a learned estimate has predicted the tested
+            tokens' acceptance better, then by the learned estimate (docs: "Acceptance
+            estimators"); ``None`` ranks by the draft probabilities themselves, exactly as in
+            the paper.
+        guard: fall back to the fixed window ``k`` once the outcomes show that the scores do
+            not rank (see :class:`~specselect.estimators.RankingGuard`), so that the worst case
+            is standard SD; ``True`` (default) for the default guard, ``False`` for none.
 
     ``TetrisSelector(k, extra, estimator=None, guard=False)`` is the paper's algorithm.
 
@@ -71,7 +74,7 @@ class TetrisSelector(Selector):
         k: int,
         extra: int = 2,
         budget: int | None = None,
-        estimator: AcceptanceEstimator | str | None = "history",
+        estimator: AcceptanceEstimator | str | None = DEFAULT_ESTIMATOR,
         guard: RankingGuard | bool = True,
     ) -> None:
         super().__init__()
