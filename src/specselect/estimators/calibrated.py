@@ -6,7 +6,6 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int
-from specselect.constants import cached_constant
 from specselect.estimators.base import AcceptanceEstimator, Cached, clamp_log
 
 
@@ -31,8 +30,9 @@ class CalibratedDraft(AcceptanceEstimator):
     an isotonic fit measured a calibration error of 0.23 against 0.08 for plain bins.
 
     State lives in tensors allocated on the first call and then only updated in place (a CUDA
-    graph that captured a step keeps reading the same buffers); the table's logits are
-    refreshed when it learns, so an estimate is a lookup.
+    graph that captured a step keeps reading the same buffers); constants such as the prior's
+    pseudo-counts are state too, so a captured step does not rebuild them. The table's logits
+    are refreshed when it learns, so an estimate is a lookup.
 
     Args:
         bins: number of probability bins.
@@ -54,6 +54,8 @@ class CalibratedDraft(AcceptanceEstimator):
         self.decay = _check_unit("decay", decay, closed_low=False)
         self._counts: Tensor | None = None  # [2, P * bins] decayed accepted, rejected counts
         self._logits: Tensor | None = None  # [P * bins] logit of each cell's estimate
+        self._prior: Tensor | None = None  # [2, P * bins] the prior's pseudo-counts
+        self._offsets: Tensor | None = None  # [K] int64 first cell of each chain column
         self._cells = Cached()  # the last estimate's cells, for learn
 
     def reset(self) -> None:
@@ -66,14 +68,15 @@ class CalibratedDraft(AcceptanceEstimator):
         if self._counts is None or self._logits is None or self._counts.device != device:
             self._counts = torch.zeros(2, self.positions * self.bins, device=device)
             self._logits = torch.empty(self.positions * self.bins, device=device)
+            self._prior = _prior_counts(self.positions, self.bins, self.prior, device)
             self._refresh(self._counts, self._logits)
         return self._counts, self._logits
 
     def _refresh(self, counts: Tensor, logits: Tensor) -> None:
         """Write the log-odds of every cell's shrunk rate into ``logits``, in place:
         ``log(accepted + prior q_bin) - log(rejected + prior (1 - q_bin))``."""
-        key = ("calibration_prior", self.positions, self.bins, self.prior, counts.device)
-        shrunk = (counts + cached_constant(key, _prior_counts)).log_()  # [2, P * bins]
+        assert self._prior is not None
+        shrunk = (counts + self._prior).log_()  # [2, P * bins]
         torch.sub(shrunk[0], shrunk[1], out=logits)
 
     def cells(
@@ -85,8 +88,11 @@ class CalibratedDraft(AcceptanceEstimator):
             q = draft_logprobs.exp()  # NaN-free inputs (checked by selectors): q in [0, 1]
         column = (q * self.bins).to(torch.int64).clamp_(0, self.bins - 1)
         if positions is None:  # chains: the row offset of column j is a constant
-            key = ("calibration_offsets", draft_logprobs.shape[1], self.positions, self.bins)
-            offsets = cached_constant((*key, draft_logprobs.device), _position_offsets)
+            width, device = draft_logprobs.shape[1], draft_logprobs.device
+            offsets = self._offsets
+            if offsets is None or offsets.shape[0] != width or offsets.device != device:
+                offsets = _position_offsets(width, self.positions, self.bins, device)
+                self._offsets = offsets
             return column.add_(offsets)
         return column.add_(positions.clamp(max=self.positions - 1), alpha=self.bins)
 

@@ -30,9 +30,10 @@ def histogram_auc(histograms: Tensor) -> Tensor:  # [2, BINS] -> 0-dim
     chance that a random passing token was scored above a random failing one (ties count
     half); 0.5 when either is empty."""
     hist_pass, hist_fail = histograms.unbind(0)  # [BINS] each
-    below = torch.cumsum(hist_fail, 0) - hist_fail  # failing tokens in lower bins
-    wins = (hist_pass * (below + 0.5 * hist_fail)).sum()
-    pairs = hist_pass.sum() * hist_fail.sum()
+    # Failing tokens in lower bins, and half of those in the same bin.
+    below = torch.sub(torch.cumsum(hist_fail, 0), hist_fail, alpha=0.5)  # [BINS]
+    wins = torch.dot(hist_pass, below)
+    pairs = histograms.sum(dim=1).prod()
     return torch.where(pairs > 0, wins / pairs.clamp(min=1e-12), 0.5)
 
 

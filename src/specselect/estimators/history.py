@@ -7,7 +7,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from specselect.constants import cached_constant
 from specselect.estimators.base import AcceptanceEstimator, Cached, check_rows
 from specselect.estimators.calibrated import CalibratedDraft, _check_unit
 
@@ -86,6 +85,7 @@ class RequestHistory(AcceptanceEstimator):
         self._counts: Tensor | None = None
         self._history: Tensor | None = None
         self._row_terms: Tensor | None = None
+        self._columns: Tensor | None = None  # [K] position / 8 of each chain column
         self._estimated = Cached()  # features and log-probabilities of the last estimate
 
     @property
@@ -146,8 +146,12 @@ class RequestHistory(AcceptanceEstimator):
         draft = (draft_logprobs - torch.log1p(-q)).clamp_(-LOGIT_MAX, LOGIT_MAX)  # [B, K]
         calibrated = self.calibration.logits(draft_logprobs, positions, q=q)  # [B, K]
         if positions is None:  # chains: one position per column
-            key = ("history_positions", draft_logprobs.shape[1], draft_logprobs.device)
-            position = cached_constant(key, _scaled_columns).expand(draft.shape)
+            width, device = draft_logprobs.shape[1], draft_logprobs.device
+            columns = self._columns
+            if columns is None or columns.shape[0] != width or columns.device != device:
+                columns = torch.arange(width, device=device, dtype=torch.float32) / 8
+                self._columns = columns
+            position = columns.expand(draft.shape)
         else:
             position = positions.to(draft.dtype) / 8
         return torch.stack([draft, calibrated, position])
@@ -204,7 +208,3 @@ def _gradient(error: Tensor, features: Tensor, history: Tensor) -> Tensor:
     token = features.view(TOKEN_FEATURES, -1) @ error.view(-1)  # [3]
     per_row = error.sum(dim=1)  # [B]
     return torch.cat([token, per_row.sum().unsqueeze(0), per_row @ history])
-
-
-def _scaled_columns(width: int, device: torch.device) -> Tensor:
-    return torch.arange(width, device=device, dtype=torch.float32) / 8

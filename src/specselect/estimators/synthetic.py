@@ -63,21 +63,25 @@ def _powers(acceptance: Tensor, generator: torch.Generator) -> Tensor:
 def reported_probability(
     acceptance: Tensor, calibration: str, generator: torch.Generator
 ) -> Tensor:
-    """The probability the draft reports for tokens of true ``acceptance`` (any shape), in
-    ``[0.01, 1]``, under one of :data:`CALIBRATIONS` (see the module doc)."""
+    """The probability the draft reports for tokens of true ``acceptance`` (``[N, T]``, one
+    row per request), in ``[0.01, 1]``, under one of :data:`CALIBRATIONS` (module doc)."""
+    _check_calibration(calibration)
     if calibration == "calibrated":
         q = acceptance
     elif calibration == "over-confident":
         q = acceptance ** (1 / _powers(acceptance, generator))
     elif calibration == "under-confident":
         q = acceptance ** _powers(acceptance, generator)
-    elif calibration == "uninformative":
+    else:  # uninformative
         q = 0.05 + 0.9 * torch.rand(acceptance.shape, generator=generator)
-    else:
+    return q.clamp(0.01, 1.0)
+
+
+def _check_calibration(calibration: object) -> None:
+    if calibration not in CALIBRATIONS:
         raise ValueError(
             f"calibration must be one of {', '.join(CALIBRATIONS)}, got {calibration!r}"
         )
-    return q.clamp(0.01, 1.0)
 
 
 def synthetic_traces(
@@ -109,10 +113,7 @@ def synthetic_traces(
     """
     from specselect.replay.traces import Traces
 
-    if calibration not in CALIBRATIONS:
-        raise ValueError(
-            f"calibration must be one of {', '.join(CALIBRATIONS)}, got {calibration!r}"
-        )
+    _check_calibration(calibration)  # before drawing anything
     n = check_int("requests", requests, minimum=1)
     length = check_int("length", length, minimum=1)
     width = check_int("width", width, minimum=1)
