@@ -92,7 +92,8 @@ def model_args(model_dirs: dict[str, Path]) -> list[str]:
     ]
 
 
-GRID = ["--k", "1,2", "--extra", "1,2", "--budget", "3"]
+GRID = ["--k", "1,2", "--extra", "1,2", "--budget", "3,goodput"]
+BUDGETS = [3, "goodput"]  # what GRID's --budget parses to
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_compare_writes_table_json_report_and_plots(compare_run: dict) -> None:
         assert f"\n{name} " in table, name
     assert "tok/step" in table and "VSR" in table and "goodput" in table
     results = json.loads((out / "results.json").read_text())
-    expected = selector_grid([*default_selectors(), "oracle"], [1, 2], [1, 2], [3])
+    expected = selector_grid([*default_selectors(), "oracle"], [1, 2], [1, 2], BUDGETS)
     assert len(results["rows"]) == len(expected)
     assert {r["label"] for r in results["rows"]} == {c.label for c in expected}
     report = (out / "report.md").read_text()
@@ -150,7 +151,7 @@ def test_compare_numbers_match_the_library(compare_run: dict) -> None:
     traces = load_traces(out / "traces.pt")
     results = json.loads((out / "results.json").read_text())
     configs = {
-        c.label: c for c in selector_grid([*default_selectors(), "oracle"], [1, 2], [1, 2], [3])
+        c.label: c for c in selector_grid([*default_selectors(), "oracle"], [1, 2], [1, 2], BUDGETS)
     }
     for row in results["rows"]:
         totals = replay(traces, configs[row["label"]].build(default_cost_model()), slots=2).totals
@@ -324,6 +325,7 @@ def _bad_inputs(dirs: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
         "k not int": (["--k", "2,x"], "comma-separated integers"),
         "extra negative": (["--extra", "-1"], "--extra values must be >= 0"),
         "budget negative": (["--budget", "-2"], "--budget values must be >= 0"),
+        "budget word": (["--budget", "4,fast"], "integers or 'goodput', got 'fast'"),
         "slots zero": (["--slots", "0"], "--slots must be >= 1"),
         "limit zero": (["--limit", "0"], "--limit must be >= 1"),
         "max new tokens": (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
@@ -365,6 +367,7 @@ BAD_CASES = [
     "k not int",
     "extra negative",
     "budget negative",
+    "budget word",
     "slots zero",
     "limit zero",
     "max new tokens",

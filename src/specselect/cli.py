@@ -49,6 +49,7 @@ from specselect.replay import (
     traces_summary,
 )
 from specselect.report import format_table, write_report
+from specselect.selectors.goodput import GOODPUT
 
 EXIT_USAGE = 2
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -66,18 +67,24 @@ class UsageError(Exception):
 # --------------------------------------------------------------------------------------------
 
 
-def _int_list(option: str, minimum: int) -> Any:
-    """An argparse ``type`` for comma-separated ints ``>= minimum`` (duplicates dropped)."""
+def _int_list(option: str, minimum: int, names: tuple[str, ...] = ()) -> Any:
+    """An argparse ``type`` for comma-separated ints ``>= minimum``, or any of ``names``
+    (duplicates dropped)."""
+    expected = "integers" + "".join(f" or {name!r}" for name in names)
 
-    def parse(text: str) -> list[int]:
-        values: list[int] = []
+    def parse(text: str) -> list[int | str]:
+        values: list[int | str] = []
         for item in text.split(","):
             item = item.strip()
+            if item in names:
+                if item not in values:
+                    values.append(item)
+                continue
             try:
                 value = int(item)
             except ValueError:
                 raise argparse.ArgumentTypeError(
-                    f"{option} expects comma-separated integers, got {item!r}"
+                    f"{option} expects comma-separated {expected}, got {item!r}"
                 ) from None
             if value < minimum:
                 raise argparse.ArgumentTypeError(
@@ -245,11 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     grid.add_argument(
         "--budget",
         metavar="C,...",
-        type=_int_list("--budget", 0),
+        type=_int_list("--budget", 0, names=(GOODPUT,)),
         default=[],
         help="absolute budgets C (draft tokens verified per step over the batch) "
-        "for selectors that take one (TETRIS, oracle), in addition to k * active "
-        "(default: none)",
+        "for selectors that take one (TETRIS, oracle), in addition to k * active; "
+        f"'{GOODPUT}' adds TETRIS with the goodput budget (C and the draft depth chosen every "
+        "step for modelled goodput, under the cost model of the report) (default: none)",
     )
     run = compare.add_argument_group("run")
     run.add_argument(

@@ -98,7 +98,7 @@ def _pct(ratio: float | None) -> str:
     return "" if ratio is None else f"{(ratio - 1) * 100:+.1f}%"
 
 
-def _opt(value: int | None) -> str:
+def _opt(value: int | str | None) -> str:
     return "-" if value is None else str(value)
 
 
@@ -195,7 +195,10 @@ def _ordered(rows: Iterable[ResultRow]) -> list[ResultRow]:
 
     def key(row: ResultRow) -> tuple[Any, ...]:
         rank = 0 if row.selector == BASELINE else 2 if row.selector == ORACLE else 1
-        return (row.k, rank, row.selector, row.extra or 0, -1 if row.budget is None else row.budget)
+        budget = row.budget  # the default, then absolute budgets, then named ones ("goodput")
+        named = (2, 0, budget) if isinstance(budget, str) else None
+        order = named or ((0, 0, "") if budget is None else (1, budget, ""))
+        return (row.k, rank, row.selector, row.extra or 0, order)
 
     return sorted(rows, key=key)
 
@@ -337,7 +340,9 @@ _COLUMNS_NOTE = (
     "request per step (accepted per verified token is the VSR). `extra` is `-` for selectors "
     "without one (fixed SD, draft trees) and for a selector that gave identical results at every "
     "`extra`, shown once (`results.json` lists each configuration). `C`, shown when absolute "
-    "budgets were given, is such a budget per step (`-`: the default `k * active requests`). "
+    "budgets were given, is such a budget per step (`-`: the default `k * active requests`; "
+    "`goodput`: chosen every step for the modelled goodput of the cost model in Setup, with a "
+    "draft depth chosen for it too, up to `k + extra`). "
     "The oracle knows the true run lengths and "
     "spends the budget only on tokens that will be accepted: at each step, the most a selector "
     "with the same window (`k + extra`) and budget (`k` per request) could accept (a per-step "

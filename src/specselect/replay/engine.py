@@ -199,6 +199,8 @@ def iter_replay(
         _check_selection(selection, active, window, selector)
         accepted = torch.minimum(selection.lengths, runs)
         selector.update(selection, accepted)
+        # What a live loop reads back after the step, as it passes it on.
+        selector.observe(selection.lengths[active].tolist(), accepted[active].tolist())
         step_context = (
             _mean_context(prompt_lengths, requests, positions)
             if context is None
@@ -292,7 +294,9 @@ def replay(
     each ``speculative_generate`` call resets it); ``K = selector.draft_length(num_active)``;
     the selector sees the ``[slots, K]`` recorded log-probs (``-inf`` past each request's end
     and in empty slots, which are also inactive); each active request accepts ``min(L, run)``
-    and advances by that + 1; ``selector.update`` gets the accepted counts. A slot whose
+    and advances by that + 1; ``selector.update`` gets the accepted counts, and
+    ``selector.observe`` the verified and accepted counts of the active slots as host ints,
+    as ``speculative_generate`` passes them after its read-back. A slot whose
     request finished is refilled at the next step. The selector receives each slot's request
     id (``request_ids``), so per-request state follows requests: a slot whose id changed is
     reset.

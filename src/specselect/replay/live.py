@@ -134,7 +134,7 @@ def compare_live(
     max_new_tokens = traces.max_new_tokens
     live_totals(target, draft, prompt_ids[:slots], _WARM_UP, slots, _WARM_UP_TOKENS, cost_model)
     rows = []
-    trees_done: set[tuple[str, int, int | None]] = set()
+    trees_done: set[tuple[str, int, int | str | None]] = set()
     for config in configs:
         if config.name == OracleSelector.name:
             rows.append(static_oracle_row(traces, config, slots, cost_model))
