@@ -46,14 +46,20 @@ def pair_traces(pair: Path, max_new_tokens: int, max_k: int, path: Path | None) 
     return traces
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def grid_parser(description: str) -> argparse.ArgumentParser:
+    """The options of a replay benchmark over the shipped pair's traces and a k x extra grid."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--traces", type=Path, default=None, help="load or save traces here")
     parser.add_argument("--pair", type=Path, default=TINY_PAIR_DIR, help="the pair's directory")
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--extra", type=int, nargs="+", default=[1, 2, 3])
+    return parser
+
+
+def main() -> None:
+    parser = grid_parser(__doc__.splitlines()[0])
     parser.add_argument("--live-sampling", action="store_true", help="also run live sampling")
     parser.add_argument("--batch", type=int, default=20, help="live batch size")
     args = parser.parse_args()

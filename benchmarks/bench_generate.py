@@ -1,4 +1,4 @@
-"""Tokens/s and DESIGN.md statistics of ``speculative_generate`` against plain ``generate``.
+"""Tokens/s and statistics (docs/concepts.md) of ``speculative_generate`` vs plain ``generate``.
 
 For each device (CPU, and CUDA when present) and batch size (default 1, 8, 32) the script runs,
 greedily and on the same left-padded prompts:

@@ -21,17 +21,22 @@ import torch
 from hf_models import PAD_ID, left_padded_prompts, tiny_pair
 from specselect import make_selector
 from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, speculative_generate
+from specselect.hf.compat import graph_obstacle
 from specselect.hf.generate import HOST_READS_PER_STEP, release_workspace
+from specselect.hf.graphs import StageRunner
 from test_generate_greedy import MAX_NEW, NOISE, VOCAB, case
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
-# (selector spec, tree): chains with a stateless and a learning selector, and a tree.
+# (selector spec, tree): selectors captured with the verify pass (fixed, paper TETRIS) and
+# run eagerly between the stages (the default TETRIS learns), chains and trees.
+PAPER = {"name": "tetris", "k": 3, "extra": 2, "estimator": None, "guard": False}
 CONFIGS = {
     "fixed": ({"name": "fixed", "k": 3}, None),
     "tetris": ({"name": "tetris", "k": 3, "extra": 2}, None),
     "tetris-tree": ({"name": "tetris", "k": 3, "extra": 2}, TreeSpec(3, 2, 2)),
+    "paper-tree": (PAPER, TreeSpec(3, 2, 2)),
     "plain": (None, None),
 }
 
@@ -52,6 +57,7 @@ def run(target, draft, ids, mask, config: str, eos: object, **kwargs: object):
         ("llama", "fixed", 3),
         ("gpt2", "tetris", 5),
         ("llama", "tetris-tree", 3),
+        ("gpt2", "paper-tree", 3),
         ("gpt2", "plain", 5),
     ],
 )
@@ -73,6 +79,45 @@ def test_emulated_graphs_match_generate(arch: str, config: str, rows: int) -> No
     assert min(first.stats.generated.tolist()) < MAX_NEW  # a row retired early
 
 
+@pytest.mark.parametrize(
+    ("config", "captured"), [("fixed", True), ("paper-tree", True), ("tetris", False)]
+)
+def test_selection_is_captured_only_for_capturable_selectors(config: str, captured: bool) -> None:
+    """Graph mode replays select + update inside the verify graph when the selector has a
+    capture_key (stateless: fixed, the paper's TETRIS), and runs them eagerly otherwise."""
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    keys: list[object] = []
+    runner_call = StageRunner.__call__
+
+    def spy(self: StageRunner, key: object, stage: object) -> None:
+        keys.append(key)
+        runner_call(self, key, stage)  # type: ignore[arg-type]
+
+    with emulate_on_cpu(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StageRunner, "__call__", spy)
+        run(target, draft, ids[:2], mask[:2], config, eos, cuda_graphs=True, max_new_tokens=6)
+    release_workspace(target)
+    names = {key[0] for key in keys}  # type: ignore[index]
+    assert ("select+verify" in names) == captured
+    assert ("verify" in names) == (not captured)
+
+
+def make_fx_traces_generators() -> bool:
+    """Whether this torch's make_fx records ops that take a torch.Generator (2.7 does not)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    generator = torch.Generator()
+    try:
+        make_fx(lambda: torch.rand(1, generator=generator))()
+    except NotImplementedError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(
+    not make_fx_traces_generators(),
+    reason="this torch's make_fx cannot trace a generator argument (CPU trace mode only)",
+)
 def test_emulated_graphs_sample_like_eager_mode() -> None:
     """With the same generator seed, trace-mode sampling draws the same tokens as eager mode:
     the stages consume the generator in the same order, captured or not. (Two rows: their
@@ -171,7 +216,7 @@ def cuda_case(rows: int):
 
 
 @needs_cuda
-@pytest.mark.parametrize("config", ["fixed", "tetris", "tetris-tree", "plain"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
 def test_cuda_graphs_match_eager_and_generate(config: str, rows: int) -> None:
     """fp32 on a GPU: CUDA-graph mode is token-identical to eager mode and to generate(), for
@@ -203,3 +248,35 @@ def test_cuda_one_host_read_per_step(cuda_graphs: bool) -> None:
     release_workspace(target)
     (short_reads, short_steps), _, (long_reads, long_steps) = counts  # the last one replays
     assert (long_reads - short_reads) == HOST_READS_PER_STEP * (long_steps - short_steps)
+
+
+@pytest.mark.parametrize("fall_back", [True, False])
+def test_a_failed_capture_falls_back_to_eager_mode_unless_required(fall_back: bool) -> None:
+    """cuda_graphs=None: a capture that fails warns and the generation goes on eagerly (the
+    stage has run for real already, once); cuda_graphs=True: the failure is an error."""
+    runs: list[int] = []
+    runner = StageRunner("cuda", fall_back=fall_back)
+
+    def broken(self: StageRunner, stage: object) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StageRunner, "_capture_cuda", broken)
+        if not fall_back:
+            with pytest.raises(RuntimeError, match="not permitted"):
+                runner("key", lambda: runs.append(1))
+            return
+        with pytest.warns(RuntimeWarning, match="continues in eager mode"):
+            runner("key", lambda: runs.append(1))
+        runner("key", lambda: runs.append(2))
+    assert runs == [1, 2] and runner.mode == "eager" and runner.captures == 0
+
+
+def test_graph_obstacles_name_the_reason() -> None:
+    """Why a model cannot be captured: not on a CUDA device, or spread over devices."""
+    model = torch.nn.Linear(2, 2)
+    assert graph_obstacle(model, "draft") == "draft is on cpu, not on a CUDA device"
+    model.register_buffer("table", torch.zeros(2, device="meta"))
+    assert graph_obstacle(model, "target") == (
+        "target's weights are spread over several devices (cpu, meta)"
+    )

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from conftest import paper_tetris
 from specselect import FixedWindowSelector, TetrisSelector
-from specselect.cost import CostModel
+from specselect.cost import CostModel, default_cost_model
 from specselect.metrics import Totals
 from specselect.replay import (
     OracleSelector,
@@ -338,7 +338,7 @@ def test_replay_result_totals(random_run_traces: Traces) -> None:
 
 
 def test_replay_modelled_seconds(random_run_traces: Traces) -> None:
-    cost = CostModel(draft_coef=(1e-3, 2e-4, 3e-7), verify_coef=(1e-2, 5e-4, 7e-7))
+    cost = CostModel.linear((1e-3, 2e-4, 3e-7), (1e-2, 5e-4, 7e-7))
     steps = list(iter_replay(random_run_traces, FixedWindowSelector(2), 3, cost_model=cost))
     prompt_lengths = random_run_traces.prompt_lengths
     for step in steps:
@@ -680,7 +680,7 @@ def test_selector_grid_shapes() -> None:
 def test_selector_grid_builds_every_registered_selector(name: str) -> None:
     """Every registered selector can be configured from (k, extra) and drafts <= k + extra."""
     for config in selector_grid([name], [2, 3], [1, 2]):
-        selector = config.build(CostModel())
+        selector = config.build(default_cost_model())
         assert selector.name == name
         assert selector.draft_length(4) <= window_of(config)
 
@@ -692,6 +692,13 @@ def test_selector_grid_builds_every_registered_selector(name: str) -> None:
         (["fixed"], [0], [1], [], "k grid value"),
         (["fixed"], [2], [-1], [], "extra grid value"),
         (["fixed"], [2], [1], [-3], "budget grid value"),
+        (
+            ["tetris"],
+            [2],
+            [1],
+            ["fast"],
+            "budget grid values must be ints or 'goodput', got 'fast'",
+        ),
         (["fixed"], [], [1], [], "must not be empty"),
     ],
 )
@@ -700,12 +707,33 @@ def test_selector_grid_bad_input(names, ks, extras, budgets, match) -> None:
         selector_grid(names, ks, extras, budgets)
 
 
+def test_selector_grid_goodput_budget() -> None:
+    """``"goodput"`` adds the goodput budget to the selectors that have one (TETRIS) at every
+    ``k`` and ``extra``, labelled ``C=goodput``; the build gives it the comparison's cost
+    model."""
+    configs = selector_grid(
+        ["fixed", "tetris", "tetris+none", "dsd", "oracle"], [2, 3], [1, 2], ["goodput", 5]
+    )
+    goodput = [c for c in configs if c.budget == "goodput"]
+    assert sorted((c.name, c.k, c.extra) for c in goodput) == sorted(
+        (name, k, extra) for name in ("tetris", "tetris+none") for k in (2, 3) for extra in (1, 2)
+    )
+    config = goodput[0]
+    assert config.kwargs == {"k": config.k, "extra": config.extra, "budget": "goodput"}
+    assert config.label == f"{config.name} k={config.k} extra={config.extra} C=goodput"
+    cost = default_cost_model()
+    selector = config.build(cost)
+    assert isinstance(selector, TetrisSelector) and selector.budget == "goodput"
+    assert selector.cost_model is cost
+    assert {c.budget for c in configs if c.name == "oracle"} == {None, 5}
+
+
 def test_compare_replay_runs_fresh_selectors(synthetic_traces: Traces) -> None:
-    configs = selector_grid(["fixed", "tetris", "dsd"], [2], [2])
+    configs = selector_grid(["fixed", "tetris", "dsd"], [2], [2], ["goodput"])
     results = compare_replay(synthetic_traces, configs, slots=4)
     assert [c for c, _ in results] == configs
     for config, result in results:
-        again = replay(synthetic_traces, config.build(CostModel()), 4)
+        again = replay(synthetic_traces, config.build(default_cost_model()), 4)
         assert result.totals == again.totals, config.label
 
 
@@ -729,22 +757,43 @@ def _speculative_generate() -> Callable | None:
     return speculative_generate
 
 
-@pytest.mark.skipif(_speculative_generate() is None, reason="specselect.hf is not available")
-@pytest.mark.parametrize("slots", [8, 3], ids=["one-batch", "three-batches"])
-@pytest.mark.parametrize("name", sorted(SELECTORS))
-def test_replay_equals_live(tiny_pair: tuple, model_traces: Traces, name: str, slots: int):
-    """Greedy, same selector and batches: ``replay(refill=False)`` reproduces the live loop's
-    per-step verified and accepted counts exactly (each ``speculative_generate`` call, like
-    each replayed wave, starts the selector afresh), and the live output is the recorded
-    target output."""
+class ObserveSpy(FixedWindowSelector):
+    """Fixed SD that records what every :meth:`observe` call gave it."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self.observed: list[tuple[list[int], list[int]]] = []
+
+    def _observe(self, verified: list[int], accepted: list[int]) -> None:
+        self.observed.append((verified, accepted))
+
+
+def test_replay_calls_observe_with_each_steps_outcomes(random_run_traces: Traces) -> None:
+    """Once per step, after update: the active slots' verified and accepted counts."""
+    spy = ObserveSpy(2)
+    steps = list(iter_replay(random_run_traces, spy, slots=3))
+    assert spy.observed == [
+        (s.selection.lengths[s.active].tolist(), s.accepted[s.active].tolist()) for s in steps
+    ]
+    assert any(len(verified) < 3 for verified, _ in spy.observed)  # inactive slots left out
+
+
+LIVE_CONFIGS = {name: selector_grid([name], [2], [2])[0] for name in SELECTORS}
+LIVE_CONFIGS["tetris C=goodput"] = selector_grid(["tetris"], [2], [2], ["goodput"])[-1]
+
+
+def _generate_in_batches(
+    tiny_pair: tuple, traces: Traces, selector, slots: int
+) -> list[tuple[list[int], list[int]]]:
+    """``speculative_generate`` over the traces' prompts in static batches of ``slots`` (the
+    traces' conventions); returns each call's output and stats."""
     from specselect.replay import left_pad
 
     generate = _speculative_generate()
+    assert generate is not None
     target, draft = tiny_pair
-    config = selector_grid([name], [2], [2])[0]
-    selector = config.build(CostModel())
-    live_steps, live_accepted = [], []
-    prompts = model_traces.prompt_ids
+    prompts = traces.prompt_ids
+    outputs = []
     for start in range(0, len(prompts), slots):
         ids, mask = left_pad(prompts[start : start + slots])
         out = generate(
@@ -753,15 +802,54 @@ def test_replay_equals_live(tiny_pair: tuple, model_traces: Traces, name: str, s
             ids,
             mask,
             selector=selector,
-            max_new_tokens=model_traces.max_new_tokens,
+            max_new_tokens=traces.max_new_tokens,
             do_sample=False,
             eos_token_id=[],
             pad_token_id=0,
         )
-        expected = model_traces.output_ids[start : start + slots]
+        expected = traces.output_ids[start : start + slots]
         assert torch.equal(out.sequences[:, ids.shape[1] :], expected)
-        live_steps += out.stats.steps
-        live_accepted += [int(a.sum()) for a in out.stats.accepted_per_step]
-    replayed = replay(model_traces, config.build(CostModel()), slots=slots, refill=False)
+        outputs.append(out)
+    return outputs
+
+
+@pytest.mark.skipif(_speculative_generate() is None, reason="specselect.hf is not available")
+@pytest.mark.parametrize("slots", [8, 3], ids=["one-batch", "three-batches"])
+@pytest.mark.parametrize("name", sorted(LIVE_CONFIGS))
+def test_replay_equals_live(tiny_pair: tuple, model_traces: Traces, name: str, slots: int):
+    """Greedy, same selector and batches: ``replay(refill=False)`` reproduces the live loop's
+    per-step verified and accepted counts exactly (each ``speculative_generate`` call, like
+    each replayed wave, starts the selector afresh), and the live output is the recorded
+    target output. The goodput budget chooses its draft depth from what :meth:`observe` saw,
+    so it also checks that both loops feed the hook the same numbers."""
+    config = LIVE_CONFIGS[name]
+    outputs = _generate_in_batches(
+        tiny_pair, model_traces, config.build(default_cost_model()), slots
+    )
+    live_steps = [step for out in outputs for step in out.stats.steps]
+    live_accepted = [int(a.sum()) for out in outputs for a in out.stats.accepted_per_step]
+    replayed = replay(model_traces, config.build(default_cost_model()), slots=slots, refill=False)
     assert [int(a.sum()) for a in replayed.accepted_per_step] == live_accepted
     assert [s.verified for s in replayed.steps] == [s.verified for s in live_steps]
+
+
+@pytest.mark.skipif(_speculative_generate() is None, reason="specselect.hf is not available")
+def test_speculative_generate_calls_observe_like_replay(tiny_pair: tuple, model_traces: Traces):
+    """The live loop calls observe once per step with the active rows' verified and accepted
+    counts, in row order, exactly as a replay of the same batches does."""
+    spy = ObserveSpy(2)
+    outputs = _generate_in_batches(tiny_pair, model_traces, spy, slots=3)
+    expected = []
+    for out in outputs:
+        stats = out.stats
+        for t, (verified, accepted) in enumerate(
+            zip(stats.verified_per_step, stats.accepted_per_step, strict=True)
+        ):
+            rows = [i for i, n in enumerate(stats.row_steps.tolist()) if t < n]
+            expected.append(([int(verified[i]) for i in rows], [int(accepted[i]) for i in rows]))
+    assert spy.observed == expected
+    assert any(len(v) < 3 for v, _ in expected)  # finished rows are left out
+    live = spy.observed
+    spy.observed = []
+    replay(model_traces, spy, slots=3, refill=False)
+    assert spy.observed == live

@@ -31,6 +31,12 @@ SELECTOR_KWARGS: dict[str, dict[str, object]] = {
     "heuristic": {"k0": 2, "max_k": 5},
 }
 NAMES = sorted(SELECTORS)
+# Configurations that run other code than their selector's defaults, held to the same contract:
+# name -> (registered selector, constructor arguments).
+VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
+    "tetris-goodput": ("tetris", {"k": 2, "extra": 2, "budget": "goodput"}),
+}
+CONFIGS = NAMES + sorted(VARIANTS)
 BATCH = 5
 # Constructor parameters that must be >= 0 (or >= 1) and those that are probabilities.
 NON_NEGATIVE_PARAMS = ("k", "extra", "budget", "max_k", "k0", "interval", "context")
@@ -39,7 +45,10 @@ ACTIVE = torch.tensor([True, False, True, True, False])
 
 
 def make(name: str) -> Selector:
-    """A fresh selector built from the table (fails for a selector missing from it)."""
+    """A fresh selector built from the tables (fails for a selector missing from them)."""
+    if name in VARIANTS:
+        base, kwargs = VARIANTS[name]
+        return SELECTORS[base](**kwargs)
     if name not in SELECTOR_KWARGS:
         pytest.fail(f"selector {name!r} is registered but has no entry in SELECTOR_KWARGS")
     return SELECTORS[name](**SELECTOR_KWARGS[name])
@@ -76,7 +85,7 @@ def test_every_registered_selector_has_kwargs() -> None:
 # The contract
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("with_active", [False, True])
 def test_contract(name: str, with_active: bool, check_prefix_selection) -> None:
     """Valid prefix selections over a few steps with feedback in between."""
@@ -94,7 +103,7 @@ def test_contract(name: str, with_active: bool, check_prefix_selection) -> None:
     selector.reset()
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CONFIGS)
 def test_bad_logprobs_raise(name: str) -> None:
     selector = make(name)
     good = drafted(selector, seed=0)
@@ -113,7 +122,7 @@ def test_bad_logprobs_raise(name: str) -> None:
             selector.select(value)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize(
     ("active", "error"),
     [
@@ -130,7 +139,7 @@ def test_bad_active_raises(name: str, active: object, error: type[Exception]) ->
         selector.select(drafted(selector, seed=0), active)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize(
     ("accepted", "error"),
     [
@@ -147,7 +156,7 @@ def test_bad_feedback_raises(name: str, accepted: torch.Tensor, error: type[Exce
         selector.update(selection, accepted)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CONFIGS)
 def test_update_rejects_more_accepted_than_selected(name: str) -> None:
     """An over-count is an error where values are readable (CPU), not "all accepted" or an
     acceptance estimate above 1; the state is left as it was."""
@@ -160,7 +169,7 @@ def test_update_rejects_more_accepted_than_selected(name: str) -> None:
     selector.update(selection, selection.lengths)  # everything accepted is fine
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CONFIGS)
 def test_update_for_another_batch_asks_for_reset(name: str) -> None:
     selector = make(name)
     selector.select(drafted(selector, seed=0))
@@ -173,7 +182,7 @@ def test_update_for_another_batch_asks_for_reset(name: str) -> None:
     selector.update(selection, selection.lengths)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_empty_batch(name: str, tree: bool) -> None:
     """No request at all: an empty selection, and feedback on it, like any other batch."""
@@ -219,7 +228,7 @@ def accepted_path(selection: Selection, parents: torch.Tensor, seed: int) -> tor
     return path.to(selection.mask.device)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("with_active", [False, True])
 def test_tree_contract(name: str, with_active: bool) -> None:
     """Every registered selector selects draft-tree nodes: closed under ancestors, exact counts,
@@ -244,7 +253,7 @@ def test_tree_contract(name: str, with_active: bool) -> None:
         selector.update(selection, path.sum(dim=1), accepted_nodes=path)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CONFIGS)
 def test_chain_shaped_trees_select_and_learn_as_chains(name: str) -> None:
     """A chain is the tree ``parents[j] = j - 1``: over several steps with feedback, a selector
     fed chain-shaped trees makes the same selections as one fed the chains, so it also learns
@@ -265,7 +274,7 @@ def test_chain_shaped_trees_select_and_learn_as_chains(name: str) -> None:
         tree.update(b, accepted, accepted_nodes=path)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CONFIGS)
 def test_tree_update_checks_the_accepted_path(name: str) -> None:
     selector = make(name)
     parents = torch.tensor([[-1, -1, 0]] * BATCH)
@@ -312,7 +321,7 @@ def test_every_selector_has_a_checked_parameter() -> None:
 # No host sync
 
 
-@pytest.mark.parametrize("name", ["tetris", "fixed"])
+@pytest.mark.parametrize("name", ["tetris", "tetris-goodput", "fixed"])
 def test_compiles_without_graph_breaks(name: str) -> None:
     """fullgraph=True fails on any graph break (a host read of a tensor value is one).
 
@@ -328,7 +337,7 @@ def test_compiles_without_graph_breaks(name: str) -> None:
         assert torch.equal(got.mask, want.mask)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CONFIGS)
 def test_runs_on_meta_tensors(name: str) -> None:
     """The meta device holds no data: any host read of a value would raise."""
     selector = make(name)
@@ -348,7 +357,7 @@ def test_runs_on_meta_tensors(name: str) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA sync check: needs a CUDA device")
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CONFIGS)
 def test_no_sync_on_cuda(name: str) -> None:
     """select and update under CUDA's sync debug mode ("error": any sync raises)."""
     selector = make(name)

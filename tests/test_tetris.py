@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 
 from conftest import active_masks, logprob_matrices, logprob_values, paper_tetris, random_logprobs
 from specselect import FixedWindowSelector, native, top_c_mask
+from specselect.selectors import TetrisSelector
 from specselect.topc import cheapest_mask, cheapest_mask_torch, cheapest_per_row
+from specselect.tree import path_sums
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LOW_PRECISION = [torch.float16, torch.bfloat16]
@@ -412,3 +414,317 @@ def test_fixed_window_lengths(data: st.DataObject, logprobs: torch.Tensor) -> No
         expected = [n if on else 0 for n, on in zip(expected, active.tolist(), strict=True)]
     assert selection.lengths.tolist() == expected
     assert FixedWindowSelector(k).draft_length(rows) == k
+
+
+# --------------------------------------------------------------------------------------------
+# The goodput budget
+
+
+class PassCosts:
+    """A cost model by hand (duck-typed: the two methods the goodput budget calls, and
+    ``step_time`` for replay), with a knee: a verification pass costs ``fixed + per_row * rows``
+    up to ``knee`` tokens (memory-bound: more tokens are free), then ``beyond`` per token more.
+    ``knee=0`` makes it linear in the tokens."""
+
+    def __init__(
+        self, fixed: float, per_row: float, knee: float, beyond: float, draft: float
+    ) -> None:
+        self.fixed, self.per_row, self.knee, self.beyond, self.draft = (
+            fixed,
+            per_row,
+            knee,
+            beyond,
+            draft,
+        )
+
+    def draft_time(self, batch: int, tokens: int, context: float = 0.0) -> float:
+        return tokens * self.draft * (1 + 0.01 * batch)
+
+    def verify_time(self, batch: int, tokens: int, context: float = 0.0) -> float:
+        return self.fixed + self.per_row * batch + self.beyond * max(0.0, tokens - self.knee)
+
+    def step_time(self, batch: int, window: int, verified: int, context: float = 0.0) -> float:
+        return self.draft_time(batch, window) + self.verify_time(batch, verified + batch)
+
+
+COST_SHAPES = {
+    # Verification dominated by its fixed cost: verify nearly everything.
+    "flat": PassCosts(fixed=10.0, per_row=0.1, knee=0, beyond=0.01, draft=1.0),
+    # Every token costs about as much as its chance is worth: verify the likely ones.
+    "steep": PassCosts(fixed=1.0, per_row=0.1, knee=0, beyond=0.8, draft=0.5),
+    # Free up to 12 tokens, then expensive: C stops at the knee unless a token is very likely.
+    "knee": PassCosts(fixed=2.0, per_row=0.05, knee=12, beyond=1.5, draft=0.2),
+    # Drafting dominates: the budget matters little, the draft passes are sunk.
+    "draft-heavy": PassCosts(fixed=0.5, per_row=0.0, knee=3, beyond=0.2, draft=5.0),
+}
+
+
+def goodput_tetris(costs: object, k: int = 2, extra: int = 2, **kwargs: object) -> TetrisSelector:
+    """The goodput budget on the paper's scores (the draft probabilities, exactly)."""
+    return paper_tetris(k=k, extra=extra, budget="goodput", cost_model=costs, **kwargs)
+
+
+def brute_force_goodput(
+    probs: list[list[float]], available: list[int], active: list[bool], passes: int, costs
+) -> tuple[float, int]:
+    """(best goodput, smallest total C reaching it) over every prefix allocation of the active
+    rows, straight from the objective: (sum of selected probabilities + a) / step time."""
+    rows = [i for i, on in enumerate(active) if on]
+    a = len(rows)
+    if a == 0:
+        return 0.0, 0
+    draft = costs.draft_time(a, passes) if passes else 0.0
+    best, best_c = -math.inf, 0
+    for lengths in itertools.product(*(range(available[i] + 1) for i in rows)):
+        c = sum(lengths)
+        gained = sum(sum(probs[i][:n]) for i, n in zip(rows, lengths, strict=True))
+        value = (gained + a) / (draft + costs.verify_time(a, c + a))
+        if value > best * (1 + 1e-12) or (value >= best * (1 - 1e-12) and c < best_c):
+            best, best_c = max(best, value), c
+    return best, best_c
+
+
+def goodput_of(
+    mask: torch.Tensor, probs: list[list[float]], active: list[bool], passes: int, costs
+):
+    a = sum(active)
+    draft = costs.draft_time(a, passes) if passes else 0.0
+    return (objective(mask, probs) + a) / (draft + costs.verify_time(a, int(mask.sum()) + a))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), logprobs=logprob_matrices(max_rows=4, max_cols=4, min_cols=1))
+@pytest.mark.parametrize("shape", sorted(COST_SHAPES))
+def test_goodput_budget_matches_brute_force(
+    data: st.DataObject, logprobs: torch.Tensor, shape: str, check_prefix_selection
+) -> None:
+    """The chosen C is the brute-force best over every allocation (the smallest on ties); the
+    selection is exactly the C best entries in the top-C kernel's order (ties included), so
+    exact count and prefixes; inactive rows take nothing and do not count."""
+    costs = COST_SHAPES[shape]
+    rows, cols = logprobs.shape
+    active = data.draw(st.one_of(st.none(), active_masks(rows)), label="active")
+    on = [True] * rows if active is None else active.tolist()
+    selection = goodput_tetris(costs).select(logprobs, active)
+
+    check_prefix_selection(selection, logprobs)
+    probs = cumulative_probs(logprobs)
+    best, best_c = brute_force_goodput(probs, finite_prefix(logprobs), on, cols, costs)
+    assert int(selection.lengths.sum()) == best_c
+    assert goodput_of(selection.mask, probs, on, cols, costs) == pytest.approx(best, rel=1e-9)
+    scores = torch.cumsum(logprobs, dim=1).masked_fill(~torch.tensor(on).unsqueeze(1), NEG)
+    assert torch.equal(selection.mask, sorted_order_mask(scores, best_c))
+    assert torch.equal(selection.mask, top_c_mask(scores, best_c))
+
+
+@pytest.mark.parametrize("shape", sorted(COST_SHAPES))
+@pytest.mark.parametrize("seed", range(4))
+def test_goodput_budget_on_trees_matches_brute_force(shape: str, seed: int) -> None:
+    """Trees: the C best nodes by path score, closed under ancestors, C the best over every C;
+    the draft passes priced are the tree's depth."""
+    costs = COST_SHAPES[shape]
+    gen = torch.Generator().manual_seed(seed)
+    rows, nodes = 3, 6
+    parents = torch.stack(
+        [torch.randint(-1, max(j, 0), (rows,), generator=gen) for j in range(nodes)], dim=1
+    )
+    logprobs = random_logprobs(rows, nodes, seed=seed, cut=0.1, dtype=torch.float64)
+    active = torch.tensor([True, seed % 2 == 0, True])
+    selection = goodput_tetris(costs).select(logprobs, active, parents=parents)
+
+    scores = path_sums(logprobs, parents).masked_fill(~active.unsqueeze(1), NEG)  # [B, N]
+    depth = path_sums(torch.ones_like(logprobs), parents)
+    flat = sorted(scores.flatten().exp().tolist(), reverse=True)
+    a, passes = int(active.sum()), int(depth.max())
+    values = [
+        (sum(flat[:c]) + a) / (costs.draft_time(a, passes) + costs.verify_time(a, c + a))
+        for c in range(int((scores > NEG).sum()) + 1)
+    ]
+    best_c = values.index(max(values))
+    assert torch.equal(selection.mask, sorted_order_mask(scores, best_c))
+    parent_taken = selection.mask.gather(1, parents.clamp(min=0))
+    assert bool((~selection.mask | (parents < 0) | parent_taken).all()), "an orphan node"
+
+
+def test_goodput_budget_prices_what_it_verifies() -> None:
+    """By hand: one row, probabilities 0.9, 0.5, 0.1. With a flat pass the whole chain pays;
+    with 1 s per pass and 1 s per token only the 0.9 does: (1 + 0.9) / 3 s beats 1 / 2 s
+    (nothing) and (1 + 1.4) / 4 s (two)."""
+    logprobs = torch.tensor([[math.log(0.9), math.log(0.5 / 0.9), math.log(0.1 / 0.5)]])
+    flat = PassCosts(fixed=1.0, per_row=0.0, knee=100, beyond=0.0, draft=0.0)
+    steep = PassCosts(fixed=1.0, per_row=0.0, knee=0, beyond=1.0, draft=0.0)
+    assert goodput_tetris(flat, k=1, extra=2).select(logprobs).lengths.tolist() == [3]
+    assert goodput_tetris(steep, k=1, extra=2).select(logprobs).lengths.tolist() == [1]
+
+
+def test_goodput_budget_ranks_the_estimators_scores() -> None:
+    """With an estimator, E(C) sums the estimates, not the draft probabilities: an estimator
+    that says everything passes makes the whole window worth verifying."""
+    from specselect.estimators import AcceptanceEstimator
+
+    class Certain(AcceptanceEstimator):
+        def estimate(self, draft_logprobs, positions=None):
+            return torch.where(draft_logprobs > NEG, 0.0, NEG)
+
+        def learn(self, draft_logprobs, tested, passed, positions=None):
+            pass
+
+    logprobs = torch.full((2, 3), math.log(0.05))
+    costs = COST_SHAPES["steep"]
+    raw = goodput_tetris(costs, k=1, extra=2).select(logprobs)
+    learned = TetrisSelector(
+        1, 2, budget="goodput", cost_model=costs, estimator=Certain(), guard=False
+    ).select(logprobs)
+    assert raw.lengths.tolist() == [0, 0]
+    assert learned.lengths.tolist() == [3, 3]
+
+
+def test_goodput_budget_runs_eagerly_in_graph_mode() -> None:
+    """Its device tables are built on the host on first use, which no CUDA graph may record:
+    no capture key, where the paper's TETRIS with a fixed budget has one."""
+    assert paper_tetris(k=2, budget=8).capture_key is not None
+    assert goodput_tetris(COST_SHAPES["flat"]).capture_key is None
+
+
+def feed(selector: TetrisSelector, steps: int, rows: int, accepted_fraction: float) -> None:
+    """``steps`` outcomes where each row verifies the whole window and accepts a fraction."""
+    for _ in range(steps):
+        window = selector.draft_length(rows)
+        accepted = round(window * accepted_fraction)
+        selector.observe([window] * rows, [accepted] * rows)
+
+
+@pytest.mark.parametrize("shape", sorted(COST_SHAPES))
+def test_goodput_depth_follows_acceptance(shape: str) -> None:
+    """On the host, from observe(): high acceptance drafts deeper than low acceptance, always
+    within [1, k + extra]; the first choice comes from the prior."""
+    k, extra, rows = 2, 4, 4
+    high, low = (
+        goodput_tetris(COST_SHAPES[shape], k, extra),
+        goodput_tetris(COST_SHAPES[shape], k, extra),
+    )
+    assert high.draft_length(rows) == low.draft_length(rows)  # nothing observed yet
+    feed(high, 30, rows, 1.0)
+    feed(low, 30, rows, 0.0)
+    assert 1 <= low.draft_length(rows) <= high.draft_length(rows) <= k + extra
+    assert low.draft_length(rows) < high.draft_length(rows) or shape == "draft-heavy"
+
+
+def test_goodput_depth_extremes() -> None:
+    """Certain acceptance and free drafting: the deepest window; no acceptance and drafting
+    that costs: one token; reset forgets the evidence."""
+    free_draft = PassCosts(fixed=1.0, per_row=0.0, knee=1000, beyond=0.0, draft=0.0)
+    paid_draft = PassCosts(fixed=1.0, per_row=0.0, knee=1000, beyond=0.0, draft=0.1)
+    deep, shallow = goodput_tetris(free_draft, k=2, extra=3), goodput_tetris(paid_draft, 2, 3)
+    feed(deep, 20, 4, 1.0)
+    feed(shallow, 60, 4, 0.0)
+    assert deep.draft_length(4) == 5
+    assert shallow.draft_length(4) == 1
+    assert shallow.draft_length(0) == 1
+    shallow.reset()  # back to the prior's choice
+    assert shallow.draft_length(4) == goodput_tetris(paid_draft, 2, 3).draft_length(4) > 1
+
+
+def brute_force_depth(rates: list[float], active: int, max_depth: int, costs) -> int:
+    """The K (smallest on ties) whose best C gives the best goodput, when every row accepts
+    depth j with probability prod(rates[:j])."""
+    survival = list(itertools.accumulate(rates, lambda p, r: p * r))
+    best, best_k = -math.inf, 0
+    for depth in range(1, max_depth + 1):
+        candidates = sorted(survival[:depth] * active, reverse=True)
+        value = max(
+            (sum(candidates[:c]) + active)
+            / (costs.draft_time(active, depth) + costs.verify_time(active, c + active))
+            for c in range(len(candidates) + 1)
+        )
+        if value > best * (1 + 1e-12):
+            best, best_k = value, depth
+    return best_k
+
+
+@pytest.mark.parametrize("shape", sorted(COST_SHAPES))
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.7, 1.0])
+@pytest.mark.parametrize("active", [1, 5])
+def test_goodput_depth_matches_brute_force(shape: str, fraction: float, active: int) -> None:
+    selector = goodput_tetris(COST_SHAPES[shape], k=2, extra=3)
+    feed(selector, 10, active, fraction)
+    rates = selector._planner.acceptance().tolist()  # the model's estimates
+    assert selector.draft_length(active) == brute_force_depth(rates, active, 5, COST_SHAPES[shape])
+
+
+def test_goodput_acceptance_model_by_hand() -> None:
+    """Depth rates are pooled over rows: a row that verified 3 and accepted 1 tested depths 1
+    and 2 and passed depth 1; untested depths shrink to the depth above."""
+    planner = goodput_tetris(COST_SHAPES["flat"], k=2, extra=1)._planner
+    planner.observe([3, 3, 0], [1, 3, 0])
+    # depth 1: 2 passed of 2 tested; depth 2: 1 of 2; depth 3: 1 of 1 (prior 0.7, strength 2)
+    first = (2 + 2 * 0.7) / (2 + 2)
+    second = (1 + 2 * first) / (2 + 2)
+    third = (1 + 2 * second) / (1 + 2)
+    assert planner.acceptance().tolist() == pytest.approx([first, second, third])
+
+
+@pytest.mark.parametrize(
+    ("verified", "accepted", "error", "match"),
+    [
+        ([1, 2], [1], ValueError, "one entry per active row"),
+        ([1, 2], [2, 0], ValueError, r"accepted\[0\] = 2 > verified\[0\] = 1"),
+        ([1, -2], [0, 0], ValueError, r"verified\[1\] must be >= 0"),
+        ([1.5], [0], TypeError, r"verified\[0\] must be an int"),
+        ([True], [0], TypeError, r"verified\[0\] must be an int"),
+        (torch.tensor([1]), [0], TypeError, "verified must be a sequence"),
+        ("12", [0, 0], TypeError, "verified must be a sequence"),
+    ],
+)
+def test_observe_rejects_bad_outcomes(verified, accepted, error: type, match: str) -> None:
+    selector = goodput_tetris(COST_SHAPES["flat"])
+    with pytest.raises(error, match=match):
+        selector.observe(verified, accepted)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"budget": "throughput"}, ValueError, "budget must be an int >= 0, None or 'goodput'"),
+        ({"budget": "goodput", "cost_model": object()}, TypeError, "cost_model must have"),
+        ({"budget": 3, "cost_model": 1.5}, TypeError, "cost_model must have"),
+    ],
+)
+def test_goodput_budget_bad_arguments(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        paper_tetris(k=2, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("verify", "draft", "error", "match"),
+    [
+        (lambda b, t: 0.0, lambda b, t: 0.0, ValueError, r"verify_time\(1, 1\) = 0.0"),
+        (lambda b, t: math.nan, lambda b, t: 1.0, ValueError, "finite time >= 0"),
+        (lambda b, t: 1.0, lambda b, t: -1.0, ValueError, r"draft_time\(1, 1\) must be a finite"),
+        (lambda b, t: "1", lambda b, t: 1.0, TypeError, "must return a float"),
+    ],
+)
+def test_goodput_budget_rejects_bad_cost_models(verify, draft, error: type, match: str) -> None:
+    """Times come from the user's model: a free, negative or non-numeric time is a clear
+    error when first asked for, not a NaN or infinite goodput."""
+
+    class Bad:
+        def draft_time(self, batch: int, tokens: int) -> float:
+            return draft(batch, tokens)
+
+        def verify_time(self, batch: int, tokens: int) -> float:
+            return verify(batch, tokens)
+
+    selector = goodput_tetris(Bad())
+    with pytest.raises(error, match=match):
+        selector.select(torch.zeros(1, 2))
+
+
+def test_goodput_budget_never_selects_unavailable_entries() -> None:
+    """A measured verify time may dip as a pass grows (noise, a kernel switch); more tokens
+    then look cheaper, but ``-inf`` entries and inactive rows must still never be taken."""
+    dipping = PassCosts(fixed=10.0, per_row=0.0, knee=0, beyond=-0.5, draft=0.1)
+    logprobs = torch.tensor([[-0.1, NEG, NEG], [-0.2, -0.3, NEG], [-0.1, -0.1, -0.1]])
+    active = torch.tensor([True, True, False])
+    selection = goodput_tetris(dipping, k=1, extra=2).select(logprobs, active)
+    assert selection.lengths.tolist() == [1, 2, 0]

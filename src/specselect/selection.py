@@ -11,6 +11,7 @@ The top-``C`` kernel that budgeted selectors run lives in :mod:`specselect.topc`
 from __future__ import annotations
 
 import abc
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -22,6 +23,7 @@ from specselect._checks import (
     check_active,
     check_at_most,
     check_counts,
+    check_int,
     check_logprobs,
     check_row_ints,
     check_tensor,
@@ -120,7 +122,10 @@ class Selector(abc.ABC):
 
     1. :meth:`draft_length` — how many tokens to draft per request;
     2. :meth:`select` — which of the drafted tokens (or draft-tree nodes) the target verifies;
-    3. :meth:`update` — feedback after verification (accepted counts), for adaptive selectors.
+    3. :meth:`update` — feedback after verification (accepted counts, device tensors), for
+       adaptive selectors;
+    4. :meth:`observe` — the same feedback as host ints, once the loop has read the step back,
+       for selectors that plan on the host (the next :meth:`draft_length`) without a sync.
 
     Subclasses call ``super().__init__()``, implement :meth:`_select` (chains) and, if
     ``supports_trees``, :meth:`_select_tree`; the base class checks the arguments, applies the
@@ -128,7 +133,8 @@ class Selector(abc.ABC):
     resets per-request state when a batch slot starts serving a new request.
 
     Comparison grids (:func:`specselect.replay.selector_grid`) build selectors through the
-    class-level hooks :meth:`grid_kwargs`, ``grid_extra`` and :meth:`spec_kwargs`.
+    class-level hooks :meth:`grid_kwargs`, :meth:`goodput_grid_kwargs`, ``grid_extra`` and
+    :meth:`spec_kwargs`.
     """
 
     name: ClassVar[str] = "selector"
@@ -288,6 +294,28 @@ class Selector(abc.ABC):
     ) -> None:
         """Adaptive selectors override this (arguments checked); the default keeps no state."""
 
+    def observe(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        """Host-side feedback after verification: per active row, in row order, the draft
+        tokens (tree nodes) the target verified and the draft tokens it accepted.
+
+        The loop calls it once per step, after :meth:`update`, with numbers it has already read
+        back to the host (``speculative_generate``'s one read-back per step, and replay), so it
+        costs no sync. :meth:`update` gets the same outcomes as device tensors, which a selector
+        could only read with a sync of its own; a selector that plans on the host (the goodput
+        budget of :class:`~specselect.selectors.TetrisSelector` chooses its next
+        :meth:`draft_length` from them) overrides :meth:`_observe`. A loop that never calls it
+        is still correct: such a selector then plans from its prior.
+
+        Raises:
+            TypeError: an entry is not an int.
+            ValueError: the sequences differ in length, or an entry is negative, or a row
+                accepted more than it verified.
+        """
+        self._observe(*check_outcomes(verified, accepted))
+
+    def _observe(self, verified: list[int], accepted: list[int]) -> None:  # noqa: B027
+        """Host planners override this (arguments checked); the default ignores them."""
+
     def reset(self) -> None:
         """Forget all state learned from feedback (start of a new generation)."""
         self._last = None
@@ -299,6 +327,19 @@ class Selector(abc.ABC):
         """Forget per-request state of ``rows`` (``[B]`` bool): their slots hold new requests."""
         if self.estimator is not None:
             self.estimator.reset_rows(rows)
+
+    @property
+    def capture_key(self) -> Hashable | None:
+        """A key under which a decoding loop may capture :meth:`select` and :meth:`update` in a
+        CUDA graph and replay them, or ``None`` (the default): they must run eagerly.
+
+        A selector may give a key only when both are device code without host reads and every
+        state they keep lives in tensors updated in place (never rebound, also by
+        :meth:`reset`). Two selectors with equal keys must record the same work on the same
+        memory: a stateless selector's key is its parameters; a stateful one must include
+        ``id(self)``.
+        """
+        return None
 
     @property
     def last_scores(self) -> Tensor | None:
@@ -325,6 +366,12 @@ class Selector(abc.ABC):
         selectors with other parameters override it.
         """
         return {"k": k} if budget is None else None
+
+    @classmethod
+    def goodput_grid_kwargs(cls, k: int, extra: int) -> dict[str, Any] | None:
+        """Constructor arguments for the goodput budget at one grid point (``specselect compare
+        --budget goodput``), or ``None`` (the default) for a selector without one."""
+        return None
 
     @classmethod
     def spec_kwargs(cls, estimator: str | None, cost_model: CostModel | None) -> dict[str, Any]:
@@ -369,6 +416,33 @@ def _check_accepted_nodes(
             f"accepted_nodes must hold num_accepted nodes per row (the accepted path), got "
             f"{int(counts[row])} in row {row} where num_accepted[{row}] = {int(num_accepted[row])}"
         )
+
+
+def check_outcomes(verified: object, accepted: object) -> tuple[list[int], list[int]]:
+    """``verified`` and ``accepted`` (:meth:`Selector.observe`) as lists of ints, checked."""
+    lists = []
+    for name, values in (("verified", verified), ("accepted", accepted)):
+        if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+            raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+        ints = list(values)
+        # Every step of a loop calls this: plain non-negative ints pass at C speed; anything
+        # else is checked one by one, so that the error names the entry.
+        if not (all(type(v) is int for v in ints) and min(ints, default=0) >= 0):
+            ints = [check_int(f"{name}[{i}]", value) for i, value in enumerate(ints)]
+        lists.append(ints)
+    tested, passed = lists
+    if len(tested) != len(passed):
+        raise ValueError(
+            f"verified and accepted must have one entry per active row each, got {len(tested)} "
+            f"and {len(passed)}"
+        )
+    if any(x > v for v, x in zip(tested, passed, strict=True)):
+        i = next(i for i, (v, x) in enumerate(zip(tested, passed, strict=True)) if x > v)
+        raise ValueError(
+            f"accepted must be <= verified, got accepted[{i}] = {passed[i]} > verified[{i}] = "
+            f"{tested[i]}"
+        )
+    return tested, passed
 
 
 def estimator_kwargs(estimator: str | None) -> dict[str, Any]:

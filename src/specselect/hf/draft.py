@@ -114,6 +114,7 @@ class ChainDrafter:
         vocab: the target's logit width (draft logits are aligned to it).
         params: token choice, identical to the target's.
         generator: RNG on the draft's device (sampling only).
+        static_span: see :class:`~specselect.hf.kv.ModelCache` (``True`` for graph mode).
     """
 
     def __init__(
@@ -124,10 +125,12 @@ class ChainDrafter:
         vocab: int,
         params: SamplingParams,
         generator: torch.Generator | None,
+        *,
+        static_span: bool = True,
     ) -> None:
         device = handle.device
         self.handle = handle
-        self.cache = ModelCache(handle, slots, capacity)
+        self.cache = ModelCache(handle, slots, capacity, static_span=static_span)
         self.vocab = vocab
         self.params = params
         self.generator = generator

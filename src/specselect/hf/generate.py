@@ -146,8 +146,9 @@ def speculative_generate(
             most ``selector.draft_length()`` deep; the selector must support trees
             (``supports_trees``), and its budget counts tree nodes (the root excluded).
         cuda_graphs: capture the draft and verify passes in CUDA graphs and replay them.
-            ``None`` (default): when both models sit on one CUDA device each; ``True``: required
-            (raises, saying why, where impossible); ``False``: eager.
+            ``None`` (default): when both models sit on one CUDA device each (if a capture fails,
+            a warning says why and the call goes on eagerly); ``True``: required (raises, saying
+            why, where impossible); ``False``: eager.
 
     Returns:
         :class:`SpeculativeOutput` with ``sequences`` and :class:`GenerationStats`.
@@ -198,7 +199,17 @@ def speculative_generate(
     # no_grad rather than inference_mode: returned tensors stay ordinary tensors that callers may
     # modify in place, as with generate(). Value checks are off for the tensors the loop makes.
     with torch.no_grad(), trusted_values():
-        loop = _Loop(t_handle, d_handle, selector, options, generators, cache_slack, tree, mode)
+        loop = _Loop(
+            t_handle,
+            d_handle,
+            selector,
+            options,
+            generators,
+            cache_slack,
+            tree,
+            mode,
+            fall_back=cuda_graphs is None,
+        )
         return loop.run(input_ids, attention_mask, progress)
 
 
@@ -364,10 +375,12 @@ class _Loop:
         cache_slack: int,
         tree: TreeSpec | None,
         mode: Mode,
+        fall_back: bool,
     ) -> None:
         self.target, self.draft, self.selector = target, draft, selector
         self.options, self.generators = options, generators
         self.slack, self.tree, self.mode = cache_slack, tree, mode
+        self.fall_back = fall_back  # a failed capture falls back to eager mode
 
     def run(self, input_ids: Tensor, attention_mask: Tensor, progress: bool) -> SpeculativeOutput:
         state, runner = self._workspace(input_ids)
@@ -384,7 +397,7 @@ class _Loop:
             self._steps(state, step, progress)
         stats = state.stats
         stats.draft_seconds, stats.select_seconds, stats.verify_seconds = clock.totals()
-        stats.captures, stats.mode = runner.captures - captured, self.mode
+        stats.captures, stats.mode = runner.captures - captured, runner.mode
         return SpeculativeOutput(state.result(input_ids), stats)
 
     def _workspace(self, input_ids: Tensor) -> tuple[GenerationState, StageRunner]:
@@ -415,11 +428,13 @@ class _Loop:
             and kept.key == key
             and (kept.draft() if kept.draft is not None else None) is draft
             and kept.state.layout.serves(layout)
+            and kept.runner.mode == self.mode  # not fallen back to eager mode
         ):
+            kept.runner.fall_back = self.fall_back
             return kept.state, kept.runner
         _WORKSPACES.pop(self.target.model, None)  # free the old buffers before allocating
         state = GenerationState(self.target, self._drafter(layout), layout, graphs)
-        runner = StageRunner(self.mode, list(self.generators.values()))
+        runner = StageRunner(self.mode, list(self.generators.values()), fall_back=self.fall_back)
         if graphs:
             draft_ref = None if draft is None else weakref.ref(draft)
             _WORKSPACES[self.target.model] = _Workspace(key, draft_ref, state, runner)
@@ -431,9 +446,10 @@ class _Loop:
         generator = self.generators[self.draft.device]
         vocab, params = self.target.vocab, self.options.sampling
         args = (self.draft, layout.slots, layout.capacity, vocab, params, generator)
+        static = self.mode != "eager"
         if self.tree is None:
-            return ChainDrafter(*args)
-        return TreeDrafter(*args, sampled_children=self.tree.sampled_children)
+            return ChainDrafter(*args, static_span=static)
+        return TreeDrafter(*args, self.tree.sampled_children, static_span=static)
 
     def _prefill(self, state: GenerationState, input_ids: Tensor, attention_mask: Tensor) -> None:
         """Run both models on the prompt except its last token, which becomes pending.

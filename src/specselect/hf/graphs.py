@@ -29,6 +29,7 @@ mode uses it to forbid reads inside stages.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -80,11 +81,21 @@ class StageRunner:
         generators: random generators the stages draw from (sampling), registered with every
             CUDA graph so each replay draws new numbers; ``None`` entries mean the device's
             default generator, which CUDA graphs handle by themselves.
+        fall_back: when a CUDA capture fails, warn and run eagerly from then on (for graph
+            mode that was not explicitly required) instead of raising. The failed stage has
+            already run for real, so nothing is lost.
     """
 
-    def __init__(self, mode: Mode, generators: Sequence[torch.Generator | None] = ()) -> None:
+    def __init__(
+        self,
+        mode: Mode,
+        generators: Sequence[torch.Generator | None] = (),
+        *,
+        fall_back: bool = False,
+    ) -> None:
         self.mode = mode
         self.generators = [g for g in generators if g is not None]
+        self.fall_back = fall_back
         self.captures = 0  # graphs captured (or traced) so far
         self._graphs: dict[Hashable, Any] = {}
         self._pool: Any = None
@@ -97,10 +108,23 @@ class StageRunner:
         if graph is not None:
             graph.replay() if self.mode == "cuda" else graph()
             return
-        if self.mode == "cuda":
-            self._graphs[key] = self._capture_cuda(stage)
-        else:
+        if self.mode == "trace":
             self._graphs[key] = _trace(stage, self.generators)
+        else:
+            stage()  # the real run doubles as the warm-up
+            try:
+                self._graphs[key] = self._capture_cuda(stage)
+            except RuntimeError as err:
+                if not self.fall_back:
+                    raise
+                warnings.warn(
+                    f"CUDA graph capture failed ({err}); speculative_generate continues in eager "
+                    "mode (pass cuda_graphs=False to skip capturing, True to make this an error)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                self.mode = "eager"
+                return
         self.captures += 1
 
     def clear(self) -> None:
@@ -108,11 +132,10 @@ class StageRunner:
         self._graphs.clear()
 
     def _capture_cuda(self, stage: Callable[[], None]) -> torch.cuda.CUDAGraph:
-        """Run ``stage`` once for real (it doubles as the warm-up), then record it.
+        """Record ``stage`` (which has just run for real: that was its warm-up).
 
         Capture only records kernels, so the state the real run advanced is not advanced again.
         """
-        stage()
         graph = torch.cuda.CUDAGraph()
         for generator in self.generators:
             graph.register_generator_state(generator)

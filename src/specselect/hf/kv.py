@@ -44,6 +44,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specselect.hf.compat import ModelHandle
 
+#: In eager mode a pass attends over the columns written so far, rounded up to a multiple of this.
+SPAN_STEP = 64
+
 
 class _SlotLayer(CacheLayerMixin):
     """One layer's preallocated keys and values; writes go to the owner's current columns."""
@@ -67,20 +70,20 @@ class _SlotLayer(CacheLayerMixin):
     def update(
         self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object
     ) -> tuple[Tensor, Tensor]:
-        """Write ``[B, heads, W, D]`` at the owner's ``columns``; return this layer's ``[B, ...]``
-        keys and values over the whole capacity (the attention mask hides the holes)."""
+        """Write ``[B, heads, W, D]`` at the owner's ``columns``; return this layer's keys and
+        values over the owner's ``span`` first columns (the attention mask hides the holes)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         assert self.keys is not None and self.values is not None
-        rows = key_states.shape[0]
-        keys, values = self.keys[:rows], self.values[:rows]
+        rows, span = key_states.shape[0], self.owner.span
+        keys, values = self.keys[:rows, :, :span], self.values[:rows, :, :span]
         columns = self.owner.columns.to(keys.device)
         keys.index_copy_(2, columns, key_states.to(keys.dtype))
         values.index_copy_(2, columns, value_states.to(values.dtype))
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.capacity, 0
+        return self.owner.span, 0
 
     def get_seq_length(self) -> int:
         # Models read this only to make position ids or masks, and both are always passed in.
@@ -96,12 +99,13 @@ class _SlotLayer(CacheLayerMixin):
 class SlotCache(Cache):
     """The ``past_key_values`` object handed to the model: one :class:`_SlotLayer` per layer.
 
-    ``columns`` (``[W]`` int64, on the model's input device) says where the current pass writes;
-    :meth:`ModelCache.forward` sets it before calling the model.
+    ``columns`` (``[W]`` int64, on the model's input device) says where the current pass writes,
+    ``span`` how many leading columns it attends over; :class:`ModelCache` sets both.
     """
 
     def __init__(self, num_layers: int, slots: int, capacity: int) -> None:
         self.slots, self.capacity = slots, capacity
+        self.span = capacity
         self.columns = torch.zeros(0, dtype=torch.int64)
         self.slot_layers = [_SlotLayer(self) for _ in range(num_layers)]
         super().__init__(layers=list(self.slot_layers))
@@ -123,12 +127,19 @@ class ModelCache:
         handle: the checked model.
         slots: rows allocated (the largest batch this cache serves).
         capacity: columns allocated per row.
+        static_span: attend over the whole capacity in every pass (what a captured pass
+            needs: one shape at any position); else only over the columns written so far,
+            rounded up to a multiple of :data:`SPAN_STEP` (eager mode: less attention work
+            while the cache is far from full).
     """
 
-    def __init__(self, handle: ModelHandle, slots: int, capacity: int) -> None:
+    def __init__(
+        self, handle: ModelHandle, slots: int, capacity: int, *, static_span: bool = True
+    ) -> None:
         device = handle.device
         self.handle = handle
         self.slots, self.capacity = slots, capacity
+        self.static_span = static_span
         self.kv = SlotCache(handle.num_layers, slots, capacity)
         self.valid = torch.zeros(slots, capacity, dtype=torch.bool, device=device)
         self.count = torch.zeros(slots, dtype=torch.int64, device=device)
@@ -190,7 +201,7 @@ class ModelCache:
         depth: Tensor | None,  # [B, W] int64
         block_mask: Tensor | None,  # [B, W, W] bool
         past_mask: Tensor | None,  # [B, W, T] bool
-    ) -> tuple[Tensor, Tensor]:  # [B, 1, W, capacity] mask, [B, W] int64 positions
+    ) -> tuple[Tensor, Tensor]:  # [B, 1, W, span] mask, [B, W] int64 positions
         """The 4D attention mask and the position ids of a block written at ``columns``.
 
         A block token sees the row's valid columns (restricted by ``past_mask`` among this
@@ -208,7 +219,8 @@ class ModelCache:
             block_mask = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         itself = torch.eye(width, dtype=torch.bool, device=device)
         within = (block_mask & block_valid.unsqueeze(1)) | itself  # [B, W, W]
-        past = self.valid[:rows].unsqueeze(1).expand(rows, width, self.capacity)  # [B, W, L]
+        span = self.kv.span
+        past = self.valid[:rows, :span].unsqueeze(1).expand(rows, width, span)  # [B, W, L]
         if past_mask is not None:
             recent = self.mark + torch.arange(past_mask.shape[2], device=device)  # [T]
             past = past.index_copy(2, recent, past.index_select(2, recent) & past_mask)
@@ -257,6 +269,8 @@ class ModelCache:
                 f"internal error: {width} columns reserved with {self.room()} left; compact first"
             )
         self.used += width
+        if not self.static_span:
+            self.kv.span = min(-(-self.used // SPAN_STEP) * SPAN_STEP, self.capacity)
 
     def reset(self) -> None:
         """Empty every row (a new generation): no valid column, positions 0."""
@@ -265,6 +279,7 @@ class ModelCache:
         self.pos.zero_()
         self.mark.zero_()
         self.used = 0
+        self.kv.span = self.capacity if self.static_span else 0
 
     def compact(self, rows: Tensor, width: int) -> None:
         """Gather the valid columns of ``rows`` into a left-padded layout ``width`` wide.
@@ -293,6 +308,8 @@ class ModelCache:
         self.pos.fill_(width)
         self.mark.fill_(width)
         self.used = width
+        if not self.static_span:
+            self.kv.span = min(-(-width // SPAN_STEP) * SPAN_STEP, self.capacity)
 
 
 def _left_padded_columns(valid: Tensor, width: int) -> Tensor:  # [B, L] -> [B, width] int64

@@ -198,7 +198,7 @@ class GenerationState:
         device = target.device
         self.device, self.layout, self.graphs = device, layout, graphs
         slots = self.slots = layout.slots
-        self.target = ModelCache(target, slots, layout.capacity)
+        self.target = ModelCache(target, slots, layout.capacity, static_span=graphs)
         self.drafter = drafter
         self.io = Buffers(device)
         # Output: rows beyond the call's batch take the tokens of inactive slots, and the last

@@ -7,11 +7,14 @@ A step is the same five parts for both (the skeleton is :meth:`Step.run`):
    (:meth:`~specselect.hf.state.GenerationState.make_room`);
 2. **draft** (a stage): the draft model proposes a chain or a tree per slot; the scores the
    selector will see are computed here, with unemittable positions masked;
-3. **select** (eager): ``selector.select`` on the caller's rows;
+3. **select**: ``selector.select`` on the caller's rows, eagerly between the stages, or captured
+   with the verify stage when the selector allows it (its
+   :attr:`~specselect.selection.Selector.capture_key`);
 4. **verify** (a stage): one target pass over the pending token and *every* drafted token,
    the unselected ones as holes (a static width, so the step needs no sync to know it), then
    greedy or lossless sampling verification, both caches' commits, emission and the report;
-5. **update** (eager): ``selector.update``, then the state's one read-back.
+5. **update**: ``selector.update`` (eager, or captured with selection), then the state's one
+   read-back, and ``selector.observe`` with the verified and accepted counts it brought back.
 
 Stages (2 and 4) run through a :class:`~specselect.hf.graphs.StageRunner`: eagerly, or captured
 per (bucket, widths) and replayed. They exchange data only through the state's persistent
@@ -98,15 +101,40 @@ class Step(abc.ABC):
         if plan.width:
             self.runner(("draft", state.size, plan.key), lambda: self.draft(plan))
         self.clock.lap()
-        self.select(plan)
-        self.clock.lap()
-        self.runner(("verify", state.size, plan.key), lambda: self.verify(plan))
-        self.update()
+        capture = self._selector_capture()
+        if capture is None:
+            self.select(plan)
+            self.clock.lap()
+            self.runner(("verify", state.size, plan.key), lambda: self.verify(plan))
+            self.update()
+        else:  # selection and feedback are replayed with the verify pass
+            self.clock.lap()
+            self.runner(
+                ("select+verify", state.size, plan.key, capture),
+                lambda: self._select_verify_update(plan),
+            )
         self.clock.lap()
         report = state.read_back()  # the step's one host sync
+        if self.selector is not None:  # the same feedback on the host: no sync of its own
+            served = sorted((row, slot) for slot, row in enumerate(state.slot_rows) if row >= 0)
+            slots = [slot for _, slot in served]  # the active rows' slots, in row order
+            self.selector.observe([report[1][s] for s in slots], [report[2][s] for s in slots])
         if isinstance(drafter, ChainDrafter):
             drafter.advanced(plan.width)
         return state.record(report, _now() - start)
+
+    def _select_verify_update(self, plan: Plan) -> None:
+        """Selection, the verify stage and the selector's feedback, as one capturable stage."""
+        self.select(plan)
+        self.verify(plan)
+        self.update()
+
+    def _selector_capture(self) -> Hashable | None:
+        """The selector's capture key when its work is captured with the verify pass (graph
+        mode, a capturable selector), else ``None``: it runs eagerly between the stages."""
+        if self.runner.mode == "eager" or self.selector is None:
+            return None
+        return self.selector.capture_key
 
     @abc.abstractmethod
     def plan(self) -> Plan:
@@ -118,7 +146,8 @@ class Step(abc.ABC):
 
     @abc.abstractmethod
     def select(self, plan: Plan) -> None:
-        """Eager: run the selector and write the per-slot selection to ``state.io``."""
+        """Run the selector and write the per-slot selection to ``state.io`` (eagerly, or in
+        the verify stage with a capturable selector)."""
 
     @abc.abstractmethod
     def verify(self, plan: Plan) -> None:
@@ -126,7 +155,8 @@ class Step(abc.ABC):
 
     @abc.abstractmethod
     def update(self) -> None:
-        """Eager: feed the selector the outcome of its selection (if it selected)."""
+        """Feed the selector the outcome of its selection, if it selected (eagerly, or in the
+        verify stage with a capturable selector)."""
 
     # ------------------------------------------------------------------ shared stage parts
     def _io(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.int64) -> Tensor:

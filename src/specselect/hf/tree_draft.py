@@ -99,6 +99,7 @@ class TreeDrafter(ChainDrafter):
         params: token choice, identical to the target's.
         generator: RNG on the draft's device (sampling only).
         sampled_children: see :class:`TreeSpec` (sampling only).
+        static_span: see :class:`~specselect.hf.kv.ModelCache` (``True`` for graph mode).
     """
 
     def __init__(
@@ -110,8 +111,10 @@ class TreeDrafter(ChainDrafter):
         params: SamplingParams,
         generator: torch.Generator | None,
         sampled_children: bool = True,
+        *,
+        static_span: bool = True,
     ) -> None:
-        super().__init__(handle, slots, capacity, vocab, params, generator)
+        super().__init__(handle, slots, capacity, vocab, params, generator, static_span=static_span)
         self.sampled = sampled_children and params.do_sample
 
     def tree_footprint(self, spec: TreeSpec) -> int:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int
-from specselect.cost import CostModel
+from specselect.cost import CostModel, default_cost_model
 from specselect.estimators import observed_outcomes
 from specselect.metrics import StepCounts, Totals
 from specselect.replay.oracle import OracleSelector
@@ -170,7 +170,7 @@ def iter_replay(
     if not isinstance(selector, Selector):
         raise TypeError(f"selector must be a specselect Selector, got {type(selector).__name__}")
     slots = check_int("slots", slots, minimum=1)
-    cost_model = CostModel() if cost_model is None else cost_model
+    cost_model = default_cost_model() if cost_model is None else cost_model
     n, length, max_k = traces.num_requests, traces.max_new_tokens, traces.max_k
     prompt_lengths = traces.prompt_lengths
     selector.reset()
@@ -199,6 +199,8 @@ def iter_replay(
         _check_selection(selection, active, window, selector)
         accepted = torch.minimum(selection.lengths, runs)
         selector.update(selection, accepted)
+        # What a live loop reads back after the step, as it passes it on.
+        selector.observe(selection.lengths[active].tolist(), accepted[active].tolist())
         step_context = (
             _mean_context(prompt_lengths, requests, positions)
             if context is None
@@ -292,7 +294,9 @@ def replay(
     each ``speculative_generate`` call resets it); ``K = selector.draft_length(num_active)``;
     the selector sees the ``[slots, K]`` recorded log-probs (``-inf`` past each request's end
     and in empty slots, which are also inactive); each active request accepts ``min(L, run)``
-    and advances by that + 1; ``selector.update`` gets the accepted counts. A slot whose
+    and advances by that + 1; ``selector.update`` gets the accepted counts, and
+    ``selector.observe`` the verified and accepted counts of the active slots as host ints,
+    as ``speculative_generate`` passes them after its read-back. A slot whose
     request finished is refilled at the next step. The selector receives each slot's request
     id (``request_ids``), so per-request state follows requests: a slot whose id changed is
     reset.
@@ -303,7 +307,7 @@ def replay(
             first. An :class:`OracleSelector` is handed the true runs each step.
         slots: batch slots.
         cost_model: prices each step (``CostModel.step_time(active, K, verified, context)``);
-            the default :class:`~specselect.cost.CostModel` if None.
+            None: :func:`~specselect.cost.default_cost_model` (the shipped pair on a CPU).
         context: context length for the cost model; None uses the mean context (prompt +
             emitted tokens) of the active requests at each step.
         refill: refill slots as soon as they free up (a serving stream) or only in waves.

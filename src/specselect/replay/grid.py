@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specselect._checks import check_int
-from specselect.cost import CostModel
+from specselect.cost import CostModel, default_cost_model
 from specselect.estimators import NO_ESTIMATOR
 from specselect.registry import available_selectors, parse_spec, spec_estimators
 from specselect.replay.engine import ReplayResult, replay
@@ -20,10 +20,12 @@ from specselect.replay.oracle import OracleSelector
 from specselect.replay.traces import Traces
 from specselect.selection import Selector
 from specselect.selectors import SELECTORS
+from specselect.selectors.goodput import GOODPUT
 from specselect.selectors.threshold import DEFAULT_THRESHOLD
 
 __all__ = [
     "DEFAULT_THRESHOLD",
+    "GOODPUT",
     "NO_ESTIMATOR",
     "SelectorConfig",
     "compare_replay",
@@ -39,7 +41,8 @@ class SelectorConfig:
         name: selector spec: a registry name or ``"oracle"``, optionally with ``+estimator``.
         k: the mean window (budget per request) the configuration is compared at.
         extra: drafted tokens beyond ``k``; None for selectors without that notion (fixed SD).
-        budget: absolute budget ``C`` per step; None = the selector's default.
+        budget: absolute budget ``C`` per step, :data:`GOODPUT` for the goodput budget
+            (``C`` chosen every step for modelled goodput); None = the selector's default.
         kwargs: constructor arguments at this grid point (the selector's
             :meth:`~specselect.selection.Selector.grid_kwargs`); the spec's estimator and the
             comparison's cost model are added at build time
@@ -49,7 +52,7 @@ class SelectorConfig:
     name: str
     k: int
     extra: int | None
-    budget: int | None
+    budget: int | str | None
     kwargs: dict[str, Any]
 
     @property
@@ -85,7 +88,7 @@ def selector_grid(
     names: Sequence[str],
     ks: Sequence[int],
     extras: Sequence[int],
-    budgets: Sequence[int] = (),
+    budgets: Sequence[int | str] = (),
 ) -> list[SelectorConfig]:
     """Every configuration of ``names`` over the ``k`` / ``extra`` / ``budget`` grids.
 
@@ -93,7 +96,10 @@ def selector_grid(
     (:meth:`~specselect.selection.Selector.grid_kwargs`). Selectors whose configuration does not
     depend on ``extra`` (fixed SD; ``grid_extra`` false) get one configuration per ``k``; only
     selectors that take a fixed budget are repeated over ``budgets`` (in addition to their
-    default budget). ``"oracle"`` is accepted besides the registry names, and a name may carry
+    default budget). A budget may also be :data:`GOODPUT`: the selectors that have a goodput
+    budget (:meth:`~specselect.selection.Selector.goodput_grid_kwargs`: TETRIS) then add a
+    configuration with it at every ``k`` and ``extra``, planned with the comparison's cost
+    model. ``"oracle"`` is accepted besides the registry names, and a name may carry
     an acceptance estimator for selectors that take one: ``"tetris+calibrated"``,
     ``"tetris+history"`` (TETRIS's default), ``"tetris+none"`` (the paper: no estimator, no
     guard); see :func:`~specselect.registry.parse_spec`.
@@ -102,9 +108,16 @@ def selector_grid(
         ValueError: unknown selector name or estimator, an estimator for a selector that takes
             none, empty or negative grids.
     """
-    for grid_name, grid, minimum in (("k", ks, 1), ("extra", extras, 0), ("budget", budgets, 0)):
+    for grid_name, grid, minimum in (("k", ks, 1), ("extra", extras, 0)):
         for value in grid:
             check_int(f"{grid_name} grid value", value, minimum=minimum)
+    for budget_value in budgets:
+        if isinstance(budget_value, str) and budget_value != GOODPUT:
+            raise ValueError(
+                f"budget grid values must be ints or {GOODPUT!r}, got {budget_value!r}"
+            )
+        if budget_value != GOODPUT:
+            check_int("budget grid value", budget_value)
     if not ks or not extras:
         raise ValueError("the k and extra grids must not be empty")
     configs: list[SelectorConfig] = []
@@ -116,10 +129,15 @@ def selector_grid(
             cls.spec_kwargs(estimator, None)
         except ValueError as exc:
             raise ValueError(f"selector spec {name!r}: {exc}") from None
+        grid_budgets: list[int | str | None] = [None, *budgets]
         for k in ks:
             for extra in extras:
-                for budget in [None, *budgets]:
-                    kwargs = cls.grid_kwargs(k, extra, budget)
+                for budget in grid_budgets:
+                    kwargs = (
+                        cls.goodput_grid_kwargs(k, extra)
+                        if isinstance(budget, str)  # GOODPUT, checked above
+                        else cls.grid_kwargs(k, extra, budget)
+                    )
                     key = (name, k, extra if cls.grid_extra else None, budget)
                     if kwargs is not None and key not in seen:
                         seen.add(key)
@@ -136,8 +154,12 @@ def compare_replay(
     *,
     progress: bool = False,
 ) -> list[tuple[SelectorConfig, ReplayResult]]:
-    """Replay every configuration over the same traces (each with a fresh selector)."""
-    cost_model = CostModel() if cost_model is None else cost_model
+    """Replay every configuration over the same traces (each with a fresh selector).
+
+    ``cost_model`` prices the steps and is given to selectors that take one (DSD); None:
+    :func:`~specselect.cost.default_cost_model`.
+    """
+    cost_model = default_cost_model() if cost_model is None else cost_model
     results = []
     iterator: Any = configs
     if progress:

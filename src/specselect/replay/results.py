@@ -71,8 +71,8 @@ class ResultRow:
         return None if self.tree is not None else self.config.extra
 
     @property
-    def budget(self) -> int | None:
-        """Absolute budget per step; None = the selector's default."""
+    def budget(self) -> int | str | None:
+        """Absolute budget per step (or ``"goodput"``); None = the selector's default."""
         return self.config.budget
 
     @property

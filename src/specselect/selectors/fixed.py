@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from torch import Tensor
 
 from specselect._checks import check_int
@@ -28,6 +30,11 @@ class FixedWindowSelector(Selector):
     def draft_length(self, num_active: int) -> int:
         check_int("num_active", num_active)
         return self.k
+
+    @property
+    def capture_key(self) -> Hashable:
+        """Stateless: the window is all a captured selection depends on."""
+        return (self.name, self.k)
 
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
         lengths = available_lengths(draft_logprobs).clamp(max=self.k)

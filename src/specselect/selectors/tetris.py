@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -27,6 +27,13 @@ from specselect.selection import (
     window_grid_kwargs,
 )
 from specselect.selectors.fixed import FixedWindowSelector
+from specselect.selectors.goodput import (
+    GOODPUT,
+    GoodputPlanner,
+    StepCosts,
+    check_cost_model,
+    default_costs,
+)
 from specselect.topc import cheapest_counts, cheapest_mask
 from specselect.tree import path_sums
 
@@ -46,7 +53,10 @@ class TetrisSelector(Selector):
         k: mean window. The default budget is ``C = k * num_active``, the cost of standard SD.
         extra: additional tokens drafted per request beyond ``k``, so that easy requests can get
             longer windows than ``k``.
-        budget: a fixed total ``C`` per step instead of ``k * num_active``.
+        budget: a fixed total ``C`` per step instead of ``k * num_active``; or ``"goodput"``:
+            every step, the ``C`` with the best modelled goodput under ``cost_model``, and a
+            draft depth in ``[1, k + extra]`` chosen for it too
+            (:mod:`specselect.selectors.goodput`; docs: "The goodput budget").
         estimator: an :class:`~specselect.estimators.AcceptanceEstimator` (or its registry name:
             ``"draft"``, ``"calibrated"``, ``"history"``, ``"choice"``) that turns draft
             log-probabilities into estimated acceptance log-probabilities before ranking. The
@@ -58,6 +68,10 @@ class TetrisSelector(Selector):
         guard: fall back to the fixed window ``k`` once the outcomes show that the scores do
             not rank (see :class:`~specselect.estimators.RankingGuard`), so that the worst case
             is standard SD; ``True`` (default) for the default guard, ``False`` for none.
+        cost_model: the step times the goodput budget plans with (a
+            :class:`~specselect.cost.CostModel`, or anything with its ``draft_time`` and
+            ``verify_time``); :func:`~specselect.selectors.goodput.default_costs` if omitted.
+            The other budgets do not use it.
 
     ``TetrisSelector(k, extra, estimator=None, guard=False)`` is the paper's algorithm.
 
@@ -73,38 +87,64 @@ class TetrisSelector(Selector):
         self,
         k: int,
         extra: int = 2,
-        budget: int | None = None,
+        budget: int | str | None = None,
         estimator: AcceptanceEstimator | str | None = DEFAULT_ESTIMATOR,
         guard: RankingGuard | bool = True,
+        cost_model: StepCosts | None = None,
     ) -> None:
         super().__init__()
         self.k = check_int("k", k)
         self.extra = check_int("extra", extra)
-        self.budget = None if budget is None else check_int("budget", budget)
+        self.budget = _check_budget(budget)
         self.estimator = make_estimator(estimator)
         self.guard = RankingGuard() if guard is True else (guard or None)
+        self.cost_model = None if cost_model is None else check_cost_model(cost_model)
         self._fallback = FixedWindowSelector(self.k)
+        # The goodput budget's planner (None for the other budgets).
+        self._planner = (
+            GoodputPlanner(max(self.k + self.extra, 1), self.cost_model or default_costs())
+            if self.budget == GOODPUT
+            else None
+        )
         self.reset()
 
     def reset(self) -> None:
         super().reset()
         if self.guard is not None:
             self.guard.reset()
+        if self._planner is not None:
+            self._planner.reset()
 
     def draft_length(self, num_active: int) -> int:
+        """``k + extra``; with the goodput budget, the depth in ``[1, k + extra]`` with the
+        best modelled goodput for ``num_active`` rows, from the outcomes :meth:`observe` saw."""
         check_int("num_active", num_active)
+        if self._planner is not None:
+            return self._planner.depth(num_active)
         return self.k + self.extra
+
+    @property
+    def capture_key(self) -> Hashable | None:
+        """The paper's TETRIS (no estimator, no guard) keeps no state and may be captured;
+        with an estimator or a guard, select and update run eagerly, and so they do with the
+        goodput budget, whose device tables are built on the host when first needed."""
+        if self.estimator is not None or self.guard is not None or self._planner is not None:
+            return None
+        return (self.name, self.k, self.extra, self.budget)
 
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
         # Work with costs (|cumulative log q|, >= +0): abs also turns a -0.0 into +0.0, which is
         # what lets ``cheapest_counts`` skip its sign handling.
-        best = self._best(chain_scores(draft_logprobs).abs_(), active)
+        costs = chain_scores(draft_logprobs).abs_()
+        best = self._best(costs, active, passes=costs.shape[1])
         return self._guarded(best, lambda: self._fallback._select(draft_logprobs, active))
 
     def _select_tree(
         self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor, depth: Tensor
     ) -> Selection:
-        best = self._best(path_sums(draft_logprobs, parents).abs_(), active)
+        # A tree's draft passes are its depth: a device value, which the goodput tables index.
+        passes = depth.amax() if depth.numel() else 0
+        best = self._best(path_sums(draft_logprobs, parents).abs_(), active, passes)
         return self._guarded(
             best, lambda: self._fallback._select_tree(draft_logprobs, active, parents, depth)
         )
@@ -119,16 +159,19 @@ class TetrisSelector(Selector):
         if self.guard is None:
             return best
         standard = fallback().mask
-        if self.budget is not None:
+        if isinstance(self.budget, int):
             standard = _trim(standard, self.budget)
         return Selection.from_mask(
             torch.where(self.guard.trusted(best.mask.device), best.mask, standard)
         )
 
-    def _best(self, costs: Tensor, active: Tensor | None) -> Selection:
-        """The ``C`` cheapest entries of ``costs`` (``[B, K]``, >= +0), as a selection."""
+    def _best(self, costs: Tensor, active: Tensor | None, passes: Tensor | int) -> Selection:
+        """The ``C`` cheapest entries of ``costs`` (``[B, K]``, >= +0), as a selection; the
+        goodput budget chooses ``C`` for a step of ``passes`` draft passes."""
+        if self._planner is not None:
+            return Selection.from_mask(self._planner.select(costs, active, passes))
         rows, width = costs.shape
-        budget = self.k * rows if self.budget is None else self.budget
+        budget = self.k * rows if self.budget is None else int(self.budget)
         if active is not None:
             pad = min(self.k, width) if self.budget is None else 0
             costs = _absorb_inactive(costs, active, pad)
@@ -142,16 +185,35 @@ class TetrisSelector(Selector):
             outcomes = self.outcomes(selection, num_accepted, accepted_nodes)
             self.guard.observe(self.last_scores, *outcomes)
 
+    def _observe(self, verified: list[int], accepted: list[int]) -> None:
+        if self._planner is not None:
+            self._planner.observe(verified, accepted)
+
     @classmethod
     def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any]:
         return window_grid_kwargs(k, extra, budget)
 
     @classmethod
+    def goodput_grid_kwargs(cls, k: int, extra: int) -> dict[str, Any]:
+        """The goodput budget, drafting at most ``k + extra`` deep."""
+        return {"k": k, "extra": extra, "budget": GOODPUT}
+
+    @classmethod
     def spec_kwargs(cls, estimator: str | None, cost_model: CostModel | None) -> dict[str, Any]:
-        """The spec's estimator; ``"tetris+none"`` is the paper's TETRIS: no estimator and no
-        ranking guard."""
+        """The spec's estimator (``"tetris+none"`` is the paper's TETRIS: no estimator and no
+        ranking guard) and the comparison's cost model, which the goodput budget plans with."""
         guard = {"guard": False} if estimator == NO_ESTIMATOR else {}
-        return {**estimator_kwargs(estimator), **guard}
+        cost = {} if cost_model is None else {"cost_model": cost_model}
+        return {**estimator_kwargs(estimator), **guard, **cost}
+
+
+def _check_budget(budget: object) -> int | str | None:
+    """``None``, an int >= 0, or ``"goodput"``."""
+    if budget is None or budget == GOODPUT:
+        return budget  # type: ignore[return-value]
+    if isinstance(budget, str):
+        raise ValueError(f"budget must be an int >= 0, None or {GOODPUT!r}, got {budget!r}")
+    return check_int("budget", budget)
 
 
 def _trim(mask: Tensor, budget: int) -> Tensor:

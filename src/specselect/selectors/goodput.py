@@ -1,0 +1,350 @@
+"""TETRIS's goodput budget: how many draft tokens to verify, and how deep to draft.
+
+TETRIS ranks every drafted token of the batch by its estimated probability of acceptance: the
+``exp`` of its cumulative log-score, the chance that the target accepts the whole prefix (or
+tree path) up to it. Verifying the ``C`` best tokens accepts ``E(C)``, the sum of their
+probabilities, in expectation, and every active row emits one more token (the target's own).
+A fixed budget (``C = k * active``) ignores what the step costs; the goodput budget chooses,
+every step,
+
+    ``C* = argmax_C (E(C) + a) / (T_draft(a, K) + T_verify(a, C + a))``
+
+with ``a`` active rows, ``K`` draft passes, ``T_draft(a, K)`` the cost model's time for ``K``
+sequential draft passes over ``a`` rows and ``T_verify(a, C + a)`` its time for one target
+pass over the ``C`` selected tokens and one bonus token per row. It has two halves:
+
+* **How many to verify** (:meth:`GoodputPlanner.select`, on the device, every step): one stable
+  sort of the ``[B, K]`` costs (``-log`` of the scores) in the top-``C`` kernel's order (cost,
+  then column, then row), a cumulative sum of the probabilities, and a table of the step times
+  for every ``(a, C)``, so ``C*`` is one ``argmax``; the selection is the first ``C*`` entries
+  of the same order. No host sync and static shapes: ``a`` stays a device value (the table has
+  a row per possible ``a``), and the table depends only on host ints (rows, width) and the
+  cost model, so it is built on the host once and cached on the device.
+* **How deep to draft** (:meth:`GoodputPlanner.depth`, on the host, before the next step): the
+  same objective, maximised over ``K`` in ``[1, max_depth]`` as well, under a model of the
+  acceptance probability of each depth fitted to the per-row outcomes the decoding loop
+  already reads back (:meth:`~specselect.selection.Selector.observe`): no sync of its own.
+
+Why select the best-``C*`` prefix of the sorted order rather than run the top-``C`` kernel
+with a device budget: the objective needs the scores in that order anyway (``E(C)`` is their
+cumulative sum), and the kernel's budget is a static host int (``kthvalue``); taking the first
+``C*`` entries of the order costs one comparison. The order is the kernel's (cost, then column,
+then row), so the mask is exactly ``cheapest_mask(costs, C*)``: ``C*`` entries (never more than
+are available) and closed under prefixes and ancestors, since an entry's prerequisites cost no
+more and sit in lower columns, so they come strictly first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specselect._checks import check_int, check_probability
+from specselect.constants import cached_constant
+from specselect.cost import default_cost_model
+
+__all__ = [
+    "GOODPUT",
+    "GoodputPlanner",
+    "StepCosts",
+    "StepTimes",
+    "check_cost_model",
+    "default_costs",
+    "goodput_mask",
+]
+
+GOODPUT = "goodput"
+"""The ``budget`` of a TETRIS selector that chooses ``C`` (and its draft depth) for goodput."""
+
+INF = float("inf")
+
+
+@runtime_checkable
+class StepCosts(Protocol):
+    """What the goodput budget asks of a cost model: :class:`~specselect.cost.CostModel`'s two
+    timing methods (called with their default context), in seconds."""
+
+    def draft_time(self, batch: int, tokens: int) -> float:
+        """``tokens`` sequential draft passes over ``batch`` rows."""
+        ...
+
+    def verify_time(self, batch: int, tokens: int) -> float:
+        """One target pass over ``tokens`` tokens in total (bonus tokens included)."""
+        ...
+
+
+def default_costs() -> StepCosts:
+    """The cost model a goodput budget plans with when given none: the library's default, the
+    one replay prices steps with."""
+    return default_cost_model()
+
+
+def check_cost_model(value: object) -> StepCosts:
+    """``value``, or a clear error unless it has the two timing methods of :class:`StepCosts`."""
+    if not isinstance(value, StepCosts):
+        raise TypeError(
+            "cost_model must have draft_time(batch, tokens) and verify_time(batch, tokens) "
+            f"methods (a specselect.cost.CostModel), got {type(value).__name__}"
+        )
+    return value
+
+
+class StepTimes:
+    """The cost model's times on the host, cached per number of active rows.
+
+    The planner asks for the same times every step (and the device tables for all of them at
+    once), so each ``(batch, tokens)`` is computed once. Every time is checked when first
+    computed: finite, ``>= 0``, and a verification pass over a non-empty batch must take time
+    (else a step could have infinite goodput).
+    """
+
+    def __init__(self, costs: StepCosts) -> None:
+        self.costs = costs
+        self._verify: dict[int, np.ndarray] = {}  # batch -> [T] verify_time(batch, t), t < T
+        self._draft: dict[int, np.ndarray] = {}  # batch -> [P] draft_time(batch, p), p < P
+
+    def verify(self, batch: int, tokens: int) -> np.ndarray:
+        """``[tokens + 1]`` float64: ``verify_time(batch, t)`` for ``t = 0..tokens``; ``+inf``
+        for ``t < batch``, which no step has (every row sends at least its bonus token)."""
+        return self._grown(self._verify, batch, tokens, batch, INF, self._verify_time)
+
+    def draft(self, batch: int, passes: int) -> np.ndarray:
+        """``[passes + 1]`` float64: ``draft_time(batch, p)`` for ``p = 0..passes`` (0 passes
+        take no time)."""
+        return self._grown(self._draft, batch, passes, 1, 0.0, self._draft_time)
+
+    @staticmethod
+    def _grown(
+        cache: dict[int, np.ndarray],
+        batch: int,
+        last: int,
+        first: int,
+        below: float,
+        time: Callable[[int, int], float],
+    ) -> np.ndarray:
+        """``cache[batch]`` extended to index ``last``: ``time(batch, n)`` from ``n = first``,
+        ``below`` before it (the model is not asked about passes no step makes)."""
+        have = cache.get(batch, np.zeros(0))
+        if len(have) <= last:
+            more = [time(batch, n) if n >= first else below for n in range(len(have), last + 1)]
+            have = cache[batch] = np.concatenate([have, np.array(more, dtype=np.float64)])
+        return have[: last + 1]
+
+    def _verify_time(self, batch: int, tokens: int) -> float:
+        seconds = _seconds("verify_time", batch, tokens, self.costs.verify_time(batch, tokens))
+        if seconds <= 0:
+            raise ValueError(
+                f"cost_model.verify_time({batch}, {tokens}) = {seconds}: a target pass over "
+                f"{batch} rows must take time, or a step could have infinite goodput"
+            )
+        return seconds
+
+    def _draft_time(self, batch: int, passes: int) -> float:
+        return _seconds("draft_time", batch, passes, self.costs.draft_time(batch, passes))
+
+
+def _seconds(method: str, batch: int, tokens: int, value: object) -> float:
+    """``value`` as seconds, or a clear error naming the cost model's call."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"cost_model.{method}({batch}, {tokens}) must return a float, got "
+            f"{type(value).__name__}"
+        )
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(
+            f"cost_model.{method}({batch}, {tokens}) must be a finite time >= 0, got {value}"
+        )
+    return float(value)
+
+
+def goodput_mask(
+    costs: Tensor,  # [B, W] >= +0 or +inf
+    active: Tensor | None,  # [B] bool
+    verify: Tensor,  # [B + 1, T] float64, T > B * (W + 1)
+    draft: Tensor,  # [B + 1, W + 1] float64
+    passes: Tensor | int,  # [] or int: the step's draft passes, <= W
+) -> Tensor:  # [B, W] bool
+    """The first ``C*`` entries of ``costs`` in (cost, column, row) order, ``C*`` maximising
+    the modelled goodput; see the module docstring.
+
+    Args:
+        costs: ``-log`` of each entry's estimated probability of acceptance (``+inf``: never
+            selected); costs must not decrease from an entry to one that depends on it.
+        active: rows outside it take nothing and do not count in ``a``; ``None``: all rows.
+        verify: ``verify[a, t]``, the target pass over ``t`` tokens for ``a`` rows (row 0:
+            any positive value, so that an empty step has goodput 0 and no NaN).
+        draft: ``draft[a, p]``, ``p`` draft passes for ``a`` rows.
+        passes: the draft passes of this step (a device value for trees: their depth).
+
+    Pure tensor code, no host sync. Among equal goodputs the smallest ``C`` wins: no token
+    is verified that the model says does not pay.
+    """
+    rows, width = costs.shape
+    device = costs.device
+    if active is None:
+        count = torch.full((), rows, dtype=torch.int64, device=device)  # [] a
+    else:
+        costs = costs.masked_fill(~active.unsqueeze(1), INF)
+        count = active.sum()  # [] a, on the device
+    # Column-major, so that a stable sort breaks equal costs by column, then by row.
+    ordered, order = torch.sort(costs.t().reshape(-1), stable=True)  # [n], [n]
+    n = ordered.shape[0]
+    steps = cached_constant(("goodput_steps", n + 1, device), _steps)  # [n + 1] C = 0..n
+    probs = ordered.to(torch.float64).neg().exp()  # [n], 0 where never selectable
+    expected = torch.cat([probs.new_zeros(1), probs.cumsum(0)])  # [n + 1] E(C)
+    # Both tables read at flat device indices (a 0-dim index would be read on the host).
+    drafting = draft.view(-1).index_select(0, (count * (width + 1) + passes).view(1))  # [1]
+    verifying = verify.view(-1).index_select(0, count * (verify.shape[1] + 1) + steps)  # [n+1]
+    seconds = drafting + verifying  # [n + 1] the step's time for every C
+    goodput = (expected + count) / seconds  # [n + 1]
+    available = (ordered < INF).sum()  # [] entries that may be selected
+    best = goodput.masked_fill(steps > available, -INF).argmax()  # [] C*: the first maximum
+    rank = torch.empty_like(order).scatter_(0, order, steps[:n])  # [n] position in the order
+    return (rank < best).view(width, rows).t().contiguous()
+
+
+def _steps(size: int, device: torch.device) -> Tensor:
+    return torch.arange(size, device=device)
+
+
+class GoodputPlanner:
+    """The goodput budget of one TETRIS selector: ``C*`` on the device, ``K`` on the host.
+
+    Args:
+        max_depth: the deepest draft (``k + extra``); :meth:`depth` chooses in
+            ``[1, max_depth]``.
+        cost_model: the step times (see :class:`StepCosts`).
+        prior: acceptance probability of a depth before any evidence.
+        strength: pseudo-observations of the prior (for depth 1) or of the depth above (for
+            the deeper ones) in each depth's estimate.
+        decay: per-step factor on the observed counts, so that the model follows the batch.
+
+    The acceptance model behind :meth:`depth`: the probability that depth ``j`` is accepted
+    given depth ``j - 1`` was, pooled over the rows and the recent steps (a Kaplan-Meier
+    estimate with decayed counts). Pooled, because a fixed draft depth serves every row: the
+    expected accepted tokens of ``K`` passes are ``a * sum_{j<=K} S(j)`` with ``S`` the
+    pooled survival, whatever the rows' differences. Per depth, because acceptance is not
+    geometric: a token that follows accepted ones is accepted more often (replaying the shipped
+    pair, about 0.45 at depth 1 and 0.8 after). A depth that has not been tested shrinks to the
+    one above it, so a depth the planner stopped drafting is valued like the deepest tested.
+    """
+
+    def __init__(
+        self,
+        max_depth: int,
+        cost_model: StepCosts,
+        *,
+        prior: float = 0.7,
+        strength: float = 2.0,
+        decay: float = 0.8,
+    ) -> None:
+        self.max_depth = check_int("max_depth", max_depth, minimum=1)
+        self.cost_model = check_cost_model(cost_model)
+        self.prior = check_probability("prior", prior)
+        if not (math.isfinite(strength) and strength > 0):
+            raise ValueError(f"strength must be a finite float > 0, got {strength}")
+        self.strength = float(strength)
+        self.decay = check_probability("decay", decay)
+        self.times = StepTimes(cost_model)
+        # (rows, width, device) -> the device tables of goodput_mask: they depend on no state
+        self._tables: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the observed outcomes (a new generation)."""
+        self._tested = np.zeros(self.max_depth)  # [max_depth] decayed rows that tested depth j
+        self._passed = np.zeros(self.max_depth)  # [max_depth] ... and passed it
+
+    # ------------------------------------------------------------------ host: the draft depth
+    def observe(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        """One step's outcomes, per active row (checked host ints; see ``Selector.observe``).
+
+        A row that verified ``v`` tokens and accepted ``x`` tested depths ``1..min(x + 1, v)``
+        and passed ``1..x``. For a draft tree, ``v`` counts nodes; a tree that accepted fewer
+        nodes than it verified is read as failing at depth ``x + 1``.
+        """
+        v = np.asarray(verified, dtype=np.int64).reshape(-1)
+        x = np.asarray(accepted, dtype=np.int64).reshape(-1)
+        self._tested *= self.decay
+        self._passed *= self.decay
+        self._tested += _reaching(np.minimum(x + 1, v), self.max_depth)
+        self._passed += _reaching(x, self.max_depth)
+
+    def acceptance(self) -> np.ndarray:
+        """``[max_depth]`` float64: estimated P(depth ``j`` accepted | depth ``j - 1`` was)."""
+        rates = np.empty(self.max_depth)
+        previous = self.prior
+        for j in range(self.max_depth):
+            previous = (self._passed[j] + self.strength * previous) / (
+                self._tested[j] + self.strength
+            )
+            rates[j] = previous
+        return rates
+
+    def depth(self, active: int) -> int:
+        """The draft depth ``K`` in ``[1, max_depth]`` with the best modelled goodput for
+        ``active`` rows (the smallest on ties), each ``K`` with its best ``C``.
+
+        Host arithmetic on the cached times and the acceptance model: no device value. The
+        candidates of ``K`` are every row's depths ``1..K``; the survival never increases with
+        depth, so they are the first ``active * K`` of the deepest draft's candidates, best
+        first, and one cumulative sum serves every ``K``.
+        """
+        active = check_int("active", active)
+        if active == 0:
+            return 1
+        depths = self.max_depth
+        survival = np.cumprod(self.acceptance())  # [D] P(depth j accepted)
+        candidates = np.repeat(survival, active)  # [a * D] best first
+        expected = np.concatenate([[0.0], np.cumsum(candidates)])  # [a * D + 1] E(C)
+        verify = self.times.verify(active, active * (depths + 1))[active:]  # [a * D + 1]
+        draft = self.times.draft(active, depths)[1:, None]  # [D, 1] K = 1..D
+        goodput = (expected + active) / (draft + verify)  # [D, a * D + 1]
+        counts = np.arange(active * depths + 1)  # [a * D + 1] C
+        too_many = counts > active * np.arange(1, depths + 1)[:, None]  # [D, a * D + 1]
+        best = np.where(too_many, -INF, goodput).max(axis=1)  # [D] each K at its best C
+        return int(np.argmax(best)) + 1  # the first maximum: the smallest K
+
+    # ------------------------------------------------------------------ device: the budget
+    def select(self, costs: Tensor, active: Tensor | None, passes: Tensor | int) -> Tensor:
+        """``[B, W]`` bool: :func:`goodput_mask` with this planner's cached device tables."""
+        rows, width = costs.shape
+        if rows * width == 0:
+            return torch.zeros(costs.shape, dtype=torch.bool, device=costs.device)
+        verify, draft = self._device_tables(rows, width, costs.device)
+        return goodput_mask(costs, active, verify, draft, passes)
+
+    def _device_tables(self, rows: int, width: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``([B + 1, B * (W + 1) + 1] verify, [B + 1, W + 1] draft)`` seconds on ``device``."""
+        key = (rows, width, device)
+        tables = self._tables.get(key)
+        if tables is None:
+            tokens = rows * (width + 1)
+            verify = np.ones((rows + 1, tokens + 1))  # row 0: no active row, goodput 0
+            draft = np.zeros((rows + 1, width + 1))
+            for a in range(1, rows + 1):
+                verify[a] = self.times.verify(a, tokens)
+                draft[a] = self.times.draft(a, width)
+            tables = self._tables[key] = (_upload(verify, device), _upload(draft, device))
+        return tables
+
+
+def _reaching(depths: np.ndarray, max_depth: int) -> np.ndarray:
+    """``[max_depth]``: how many of ``depths`` (per row) are ``>= j``, for ``j = 1..max_depth``."""
+    counts = np.bincount(np.clip(depths, 0, max_depth), minlength=max_depth + 1)
+    return counts[::-1].cumsum()[::-1][1:].astype(np.float64)
+
+
+def _upload(values: np.ndarray, device: torch.device) -> Tensor:
+    """A host table on ``device``. To a GPU through pinned memory, asynchronously: a copy from
+    pageable memory would wait for the device's queue (a sync), and a table is first needed
+    in the middle of a run whenever the draft depth changes."""
+    host = torch.from_numpy(values)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
