@@ -739,11 +739,11 @@ def _selector_names(args: argparse.Namespace) -> list[str]:
 
 def default_selectors() -> list[str]:
     """Every registered selector, plus TETRIS as in the paper and with each estimator."""
-    from specselect.estimators import ESTIMATORS
+    from specselect.estimators import DEFAULT_ESTIMATOR, ESTIMATORS
     from specselect.registry import available_selectors
     from specselect.replay import NO_ESTIMATOR
 
-    others = [name for name in sorted(ESTIMATORS) if name != "history"]  # history: the default
+    others = [name for name in sorted(ESTIMATORS) if name != DEFAULT_ESTIMATOR]  # plain tetris
     return [*available_selectors(), *(f"tetris+{name}" for name in (NO_ESTIMATOR, *others))]
 
 
