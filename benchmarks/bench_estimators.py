@@ -8,6 +8,7 @@ plus the share of the fixed-to-oracle gap each variant closes.
 
     python benchmarks/bench_estimators.py                # shipped pair, 40 prompts, 64 tokens
     python benchmarks/bench_estimators.py --traces t.pt  # reuse (or save) recorded traces
+    python benchmarks/bench_estimators.py --pair DIR     # another pair (see bench_replay_goals)
     python benchmarks/bench_estimators.py --live-sampling  # plus live runs at temperature 1
 
 Live sampling runs ``speculative_generate`` (temperature 1, no top-k, the loop feeds selectors
@@ -20,34 +21,26 @@ import argparse
 from pathlib import Path
 
 import torch
+from bench_replay_goals import load_pair_traces
 
 from specselect import FixedWindowSelector, TetrisSelector
-from specselect.replay import (
-    OracleSelector,
-    Traces,
-    load_traces,
-    record_traces,
-    replay,
-    save_traces,
-)
+from specselect.models import TINY_PAIR_DIR
+from specselect.replay import OracleSelector, Traces, load_traces, replay, save_traces
 
 VARIANTS = {
     "paper": {"estimator": None, "guard": False},
     "calibrated": {"estimator": "calibrated", "guard": False},
     "history": {"estimator": "history", "guard": False},
-    "calibrated+guard": {"estimator": "calibrated", "guard": True},
-    "history+guard (default)": {"estimator": "history", "guard": True},
+    "choice": {"estimator": "choice", "guard": False},
+    "history+guard": {"estimator": "history", "guard": True},
+    "choice+guard (default)": {"estimator": "choice", "guard": True},
 }
 
 
-def shipped_traces(max_new_tokens: int, max_k: int, path: Path | None) -> Traces:
+def pair_traces(pair: Path, max_new_tokens: int, max_k: int, path: Path | None) -> Traces:
     if path is not None and path.exists():
         return load_traces(path)
-    from specselect.models import load_prompts, load_tiny_pair
-
-    target, draft, tokenizer = load_tiny_pair()
-    prompts = [tokenizer(p["text"])["input_ids"] for p in load_prompts()]
-    traces = record_traces(target, draft, prompts, max_new_tokens, max_k, progress=True)
+    traces, _ = load_pair_traces(pair, max_new_tokens, max_k, cache=None)
     if path is not None:
         save_traces(traces, path)
     return traces
@@ -57,6 +50,7 @@ def grid_parser(description: str) -> argparse.ArgumentParser:
     """The options of a replay benchmark over the shipped pair's traces and a k x extra grid."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--traces", type=Path, default=None, help="load or save traces here")
+    parser.add_argument("--pair", type=Path, default=TINY_PAIR_DIR, help="the pair's directory")
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
@@ -70,7 +64,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=20, help="live batch size")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    traces = shipped_traces(args.max_new_tokens, max(args.k) + max(args.extra), args.traces)
+    max_k = max(args.k) + max(args.extra)
+    traces = pair_traces(args.pair, args.max_new_tokens, max_k, args.traces)
 
     def accepted(selector) -> float:
         return replay(traces, selector, args.slots).totals.accepted_per_request_step
@@ -117,7 +112,7 @@ def live_sampling(args: argparse.Namespace) -> None:
         for name, make in (
             ("fixed", lambda k=k: FixedWindowSelector(k)),
             ("paper", lambda k=k: TetrisSelector(k, 2, estimator=None, guard=False)),
-            ("history+guard (default)", lambda k=k: TetrisSelector(k, 2)),
+            ("choice+guard (default)", lambda k=k: TetrisSelector(k, 2)),
         ):
             steps = []
             for start in range(0, len(texts), args.batch):

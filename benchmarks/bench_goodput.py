@@ -11,14 +11,12 @@ estimator, and the paper's ranking), and checks the goals of the goodput budget:
 Goodput is modelled: emitted tokens per second of the cost model, which also prices what the
 selectors plan with. Cost models:
 
-* ``h100-graph``: a 1.1B bf16 target and a 74M draft, forward passes captured in CUDA graphs on
-  an H100 (timed by hand: target at B = 1/8/32/64 and W = 1/4/8 tokens per row, draft at W = 1);
-* ``cpu-eager``: the shipped pair on one CPU thread, eager (the measured default cost model of
-  ``specselect.cost`` when this version has one);
+* ``h100-graph``: ``benchmarks/costs/h100-graph-tinyllama-1.1b-bf16.json``, a 1.1B bf16 target
+  and a 74M draft, forward passes captured in CUDA graphs on an H100 (timed by hand: target at
+  B = 1/8/32/64 and W = 1/4/8 tokens per row, draft at W = 1);
+* ``cpu-eager``: the shipped pair on one CPU thread, eager (``specselect.cost``'s measured
+  default cost model);
 * any ``--cost-model NAME=FILE`` (a cost file from ``specselect profile``).
-
-A cost model is the library's fit of the timings where the library can fit them (a model with
-a knee and a per-row term); otherwise the timings are interpolated (:class:`TimingTable`).
 
     python benchmarks/bench_goodput.py                    # shipped pair, 40 prompts, 64 tokens
     python benchmarks/bench_goodput.py --traces t.pt      # reuse (or save) recorded traces
@@ -27,11 +25,9 @@ a knee and a per-row term); otherwise the timings are interpolated (:class:`Timi
 
 from __future__ import annotations
 
-import bisect
-import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,107 +35,20 @@ import torch
 from bench_estimators import grid_parser, shipped_traces
 
 from specselect import DSDSelector, FixedWindowSelector, TetrisSelector
-from specselect.cost import CostModel, CostSample
+from specselect.cost import CostModel, default_cost_model
 from specselect.replay import OracleSelector, Traces, replay
 
-# Hand-captured H100 times (ms) of one forward pass in a CUDA graph: batch -> per width.
-H100_BATCHES = (1, 8, 32, 64)
-H100_TARGET_MS = {
-    1: (3.22, 4.40, 7.83, 11.97),
-    4: (3.65, 4.89, 8.47, 13.39),
-    8: (3.73, 4.94, 8.81, 14.53),
-}
-H100_DRAFT_MS = (0.51, 0.60, 0.86, 1.18)  # W = 1
-H100_CONTEXT = 128.0
-
-
-def h100_samples() -> list[CostSample]:
-    """The hand-captured H100 graph-mode timings as cost samples (seconds)."""
-    samples = [
-        CostSample("verify", batch, batch * width, H100_CONTEXT, ms / 1e3)
-        for width, row in H100_TARGET_MS.items()
-        for batch, ms in zip(H100_BATCHES, row, strict=True)
-    ]
-    samples += [
-        CostSample("draft", batch, 1, H100_CONTEXT, ms / 1e3)
-        for batch, ms in zip(H100_BATCHES, H100_DRAFT_MS, strict=True)
-    ]
-    return samples
-
-
-def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Piecewise-linear through the points, extended linearly beyond the ends."""
-    if len(xs) == 1:
-        return float(ys[0])
-    i = min(max(bisect.bisect_left(xs, x) - 1, 0), len(xs) - 2)
-    t = (x - xs[i]) / (xs[i + 1] - xs[i])
-    return float(ys[i] + t * (ys[i + 1] - ys[i]))
-
-
-@dataclass(frozen=True)
-class TimingTable(CostModel):
-    """Measured times, interpolated: verification over (batch, tokens per row), drafting per
-    pass over batch; context is ignored (the samples share one).
-
-    For specselect versions whose :class:`CostModel` cannot fit the timings (a model linear in
-    the tokens has no per-row term, and graph-mode verification time grows with the rows, not
-    the tokens). Times are clamped at the smallest measured one, so an extrapolation never
-    reaches zero.
-    """
-
-    samples: tuple[CostSample, ...] = field(default=())
-
-    def draft_time(self, batch: int, tokens: int, context: float = 512.0) -> float:
-        points = sorted((s.batch, s.seconds / s.tokens) for s in self.samples if s.kind == "draft")
-        return tokens * self._floor(_interpolate(*zip(*points, strict=True), batch), points)
-
-    def verify_time(self, batch: int, tokens: int, context: float = 512.0) -> float:
-        if batch == 0:
-            return 0.0
-        widths: dict[float, list[tuple[int, float]]] = {}
-        for s in self.samples:
-            if s.kind == "verify":
-                widths.setdefault(s.tokens / s.batch, []).append((s.batch, s.seconds))
-        per_width = sorted(
-            (w, _interpolate(*zip(*sorted(points), strict=True), batch))
-            for w, points in widths.items()
-        )
-        times = [t for _, t in per_width]
-        return max(_interpolate([w for w, _ in per_width], times, tokens / batch), min(times))
-
-    @staticmethod
-    def _floor(value: float, points: list[tuple[int, float]]) -> float:
-        return max(value, min(t for _, t in points))
-
-
-def from_samples(samples: list[CostSample]) -> tuple[CostModel, str]:
-    """The library's fit of ``samples`` if it can fit them, else :class:`TimingTable`."""
-    try:
-        return CostModel.fit(samples), "fitted by specselect.cost"
-    except ValueError as exc:
-        return TimingTable(samples=tuple(samples)), f"interpolated ({exc.args[0][:60]}...)"
-
-
-def load_cost_model(path: Path) -> tuple[CostModel, str]:
-    """A cost file: the library's loader where it has one, else the samples it holds."""
-    if hasattr(CostModel, "load"):
-        return CostModel.load(path), f"loaded from {path}"  # type: ignore[attr-defined]
-    document = json.loads(path.read_text())
-    samples = [CostSample(**s) for s in document["samples"]]
-    return TimingTable(samples=tuple(samples)), f"timings of {path}, interpolated"
+H100_GRAPH = Path(__file__).resolve().parent / "costs" / "h100-graph-tinyllama-1.1b-bf16.json"
 
 
 def cost_models(extra: Sequence[str]) -> dict[str, tuple[CostModel, str]]:
-    models = {"h100-graph": from_samples(h100_samples())}
-    try:
-        from specselect.cost import default_cost_model  # type: ignore[attr-defined]
-
-        models["cpu-eager"] = (default_cost_model(), "specselect's default (measured on a CPU)")
-    except ImportError:
-        print("no measured CPU cost model in this version: pass --cost-model cpu-eager=FILE")
+    models = {
+        "h100-graph": (CostModel.load(H100_GRAPH), f"loaded from {H100_GRAPH.name}"),
+        "cpu-eager": (default_cost_model(), "specselect's default (measured on a CPU)"),
+    }
     for spec in extra:
         name, _, path = spec.partition("=")
-        models[name] = load_cost_model(Path(path))
+        models[name] = (CostModel.load(Path(path)), f"loaded from {path}")
     return models
 
 

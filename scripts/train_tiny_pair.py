@@ -28,6 +28,12 @@ ran ~3x slower per step)::
 On an idle machine, the wall-clock recipe is::
 
     python scripts/train_tiny_pair.py --seed 0 --target-minutes 6 --draft-minutes 2
+
+``--corpus site-packages`` trains on other code instead: the ``.py`` files of the running
+interpreter's site-packages (third-party libraries), sampled by a hash of their path down to
+``--corpus-chars`` characters. ``scripts/train_second_pair.sh`` uses it for the second pair
+that the estimator benchmarks measure next to the shipped one (its weights stay outside the
+package).
 """
 
 from __future__ import annotations
@@ -64,10 +70,13 @@ from transformers import (
 
 EOS = "<|endoftext|>"
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src" / "specselect" / "models" / "tiny_pair"
-# Directories under the stdlib that are not ordinary hand-written library code.
+# Directories that are not ordinary hand-written library code.
 SKIP_PARTS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "__pycache__", "encodings", "pydoc_data"}
 )
+# Larger files are mostly generated tables (unicode data, lexers' keyword lists).
+MAX_FILE_CHARS = 200_000
+CORPORA = ("stdlib", "site-packages")
 CONTEXT = 256
 BATCH = 4
 NUM_PROMPTS_PER_KIND = 20
@@ -81,20 +90,26 @@ TEST_TOLERANCE = 0.05
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One stdlib file: its path relative to the stdlib root and its text."""
+    """One source file: its path relative to the corpus root and its text."""
 
     name: str
     text: str
 
 
+def path_hash(name: str, salt: str = "") -> float:
+    """A uniform number in [0, 1) from a file's relative path: stable across machines and runs."""
+    digest = hashlib.sha256((salt + name).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
 def is_held_out(name: str, fraction: float) -> bool:
-    """Hold a file out by a hash of its relative path: stable across machines and runs."""
-    digest = hashlib.sha256(name.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+    """Hold a file out by a hash of its relative path."""
+    return path_hash(name) < fraction
 
 
-def read_stdlib(root: Path) -> list[SourceFile]:
-    """All readable ``.py`` files under ``root`` minus SKIP_PARTS, sorted by relative path."""
+def read_sources(root: Path, max_file_chars: int | None = None) -> list[SourceFile]:
+    """All readable ``.py`` files under ``root`` minus SKIP_PARTS (and longer than
+    ``max_file_chars``, if given), sorted by relative path."""
     files = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
@@ -104,9 +119,36 @@ def read_stdlib(root: Path) -> list[SourceFile]:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        if text.strip():
+        if text.strip() and (max_file_chars is None or len(text) <= max_file_chars):
             files.append(SourceFile(rel.as_posix(), text))
     return files
+
+
+def sample_chars(files: Sequence[SourceFile], chars: int | None) -> list[SourceFile]:
+    """About ``chars`` characters of ``files``, kept by a (salted) hash of their path, so the
+    sample is stable and independent of the held-out split; all of them if ``chars`` is None."""
+    total = sum(len(f.text) for f in files)
+    if chars is None or chars >= total:
+        return list(files)
+    keep = chars / total
+    return [f for f in files if path_hash(f.name, salt="sample:") < keep]
+
+
+def read_corpus(corpus: str, chars: int | None) -> tuple[list[SourceFile], str]:
+    """The corpus's files and a description of it for the model card."""
+    if corpus == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = sample_chars(read_sources(root), chars)
+        what = f"Python {platform.python_version()} stdlib .py files"
+    else:
+        root = Path(sysconfig.get_paths()["purelib"])
+        files = sample_chars(read_sources(root, MAX_FILE_CHARS), chars)
+        what = (
+            f"site-packages .py files of Python {platform.python_version()} "
+            f"(<= {MAX_FILE_CHARS} chars each)"
+        )
+    sampled = "" if chars is None else f", sampled by path hash to ~{chars} chars"
+    return files, f"{what} minus {sorted(SKIP_PARTS)}{sampled}"
 
 
 def split_files(
@@ -218,6 +260,27 @@ def kl_loss(draft: PreTrainedModel, target: PreTrainedModel, batch: Tensor) -> T
         t_logp = F.log_softmax(logits_of(target, ids), dim=-1).flatten(0, 1)
     d_logp = F.log_softmax(logits_of(draft, ids), dim=-1).flatten(0, 1)
     return F.kl_div(d_logp, t_logp, log_target=True, reduction="batchmean")
+
+
+def argmax_loss(draft: PreTrainedModel, target: PreTrainedModel, batch: Tensor) -> Tensor:
+    """Cross-entropy of the draft against the target's greedy token  # batch [B, T + 1].
+
+    The draft then learns the probability that each token is the target's *argmax*, which is
+    what greedy verification accepts: its confidence predicts acceptance (better calibrated,
+    and peakier, than a draft distilled to the target's whole distribution).
+    """
+    ids = batch[:, :-1]
+    with torch.no_grad():
+        labels = logits_of(target, ids).argmax(-1)  # [B, T]
+    logits = logits_of(draft, ids)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+DRAFT_LOSSES = {"kl": kl_loss, "argmax": argmax_loss}
+DRAFT_RECIPES = {
+    "kl": "distilled: KL(target || draft)",
+    "argmax": "distilled: CE against the target's argmax",
+}
 
 
 def progress(step: int, elapsed: float, minutes: float, steps: int | None) -> float:
@@ -439,6 +502,19 @@ def decile_table(confidence: np.ndarray, outcome: np.ndarray) -> list[dict]:
     return rows
 
 
+def calibration_error(confidence: np.ndarray, outcome: np.ndarray, bins: int = 10) -> float:
+    """Expected calibration error: the state-weighted mean ``|confidence - outcome|`` over
+    ``bins`` equal-width confidence bins (0 = the draft's probability is the acceptance rate)."""
+    cells = np.minimum((confidence * bins).astype(np.int64), bins - 1)
+    error = 0.0
+    for cell in range(bins):
+        inside = cells == cell
+        if inside.any():
+            gap = abs(confidence[inside].mean() - outcome[inside].mean())
+            error += gap * inside.sum() / confidence.size
+    return float(error)
+
+
 def measure_pair(
     target: PreTrainedModel,
     draft: PreTrainedModel,
@@ -469,6 +545,7 @@ def measure_pair(
         "greedy_agreement": round(float(agree_all.mean()), 4),
         "greedy_agreement_by_kind": by_kind,
         "greedy_agreement_first_16": round(float(agree_all[:, :TEST_TOKENS].mean()), 4),
+        "greedy_ece": round(calibration_error(np.concatenate(conf), agree_all.ravel()), 4),
         "mean_acceptance_t1": round(float(np.concatenate(accept_t1).mean()), 4),
         "greedy_decile_table": decile_table(np.concatenate(conf), agree_all.ravel()),
         "t1_decile_table": decile_table(np.concatenate(conf_t1), np.concatenate(accept_t1)),
@@ -541,6 +618,8 @@ def write_card(out: Path, card: dict) -> None:
         f"(code {m['greedy_agreement_by_kind']['code']}, prose "
         f"{m['greedy_agreement_by_kind']['prose']})",
         f"- same, first {TEST_TOKENS} tokens per prompt: **{m['greedy_agreement_first_16']}**",
+        f"- calibration error (ECE, 10 bins) of the draft's top probability as a predictor of "
+        f"greedy agreement: **{m.get('greedy_ece', 'not measured')}**",
         f"- mean acceptance min(1, p/q) at temperature 1 (expected value sum_x min(p, q) at each "
         f"state along {CARD_TOKENS}-token target samples, seed {card['seed']}): "
         f"**{m['mean_acceptance_t1']}**",
@@ -595,6 +674,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="distil the draft for this many steps instead of --draft-minutes",
     )
+    ap.add_argument("--corpus", choices=CORPORA, default="stdlib", help="what to train on")
+    ap.add_argument(
+        "--corpus-chars",
+        type=int,
+        default=None,
+        help="sample the corpus's files down to about this many characters (default: all)",
+    )
+    ap.add_argument(
+        "--draft-loss",
+        choices=sorted(DRAFT_LOSSES),
+        default="kl",
+        help="distil the draft to the target's distribution (kl) or to its greedy token (argmax)",
+    )
+    ap.add_argument(
+        "--target-from",
+        type=Path,
+        default=None,
+        help="reuse the target (and tokenizer) of a pair this script wrote, instead of training",
+    )
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--held-out-fraction", type=float, default=0.03)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -618,27 +716,36 @@ def main(argv: Sequence[str] | None = None) -> None:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
 
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train_files, held = split_files(read_stdlib(root), args.held_out_fraction)
+    files, corpus_text = read_corpus(args.corpus, args.corpus_chars)
+    train_files, held = split_files(files, args.held_out_fraction)
     _log(f"{len(train_files)} training files, {len(held)} held out", t0)
     prompts = build_prompts(held, NUM_PROMPTS_PER_KIND)
     with (out / "prompts.jsonl").open("w") as fh:
         fh.writelines(json.dumps(p) + "\n" for p in prompts)
 
-    tokenizer = train_tokenizer(train_files, args.vocab_size)
+    if args.target_from is None:
+        tokenizer = train_tokenizer(train_files, args.vocab_size)
+    else:  # the target's own tokenizer: its token ids must not change
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.target_from / "tokenizer")
     tokenizer.save_pretrained(out / "tokenizer")
     train_stream = encode_stream(tokenizer, train_files)
     held_stream = encode_stream(tokenizer, held)
     _log(f"tokens: train {train_stream.numel()}, held out {held_stream.numel()}", t0)
 
-    target = make_model(make_config(tokenizer, 256, 6, 4, 688))
-    t_budget = (args.target_minutes, args.target_steps)
-    t_run = train_for(target, lm_loss, train_stream, t_budget, args.lr, args.seed, "T")
+    if args.target_from is None:
+        target = make_model(make_config(tokenizer, 256, 6, 4, 688))
+        t_budget = (args.target_minutes, args.target_steps)
+        t_run = train_for(target, lm_loss, train_stream, t_budget, args.lr, args.seed, "T")
+    else:
+        target = load_fp32(args.target_from / "target")
+        t_run = json.loads((args.target_from / "card.json").read_text())["target"]
+        t_run = {"steps": t_run["steps"], "seconds": t_run["seconds"]}
     _log(f"target done: {t_run}", t0)
     draft = make_model(make_config(tokenizer, 128, 2, 4, 344))
+    draft_loss = DRAFT_LOSSES[args.draft_loss]
     d_run = train_for(
         draft,
-        lambda m, b: kl_loss(m, target, b),
+        lambda m, b: draft_loss(m, target, b),
         train_stream,
         (args.draft_minutes, args.draft_steps),
         args.lr,
@@ -666,9 +773,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     schedule = "warm-up 50 steps + cosine to 10% over the budget"
     recipe = {
         "target": f"next-token CE, AdamW lr {args.lr}, {schedule}, batch {BATCH}x{CONTEXT}",
-        "draft": f"distilled: KL(target || draft), AdamW lr {args.lr}, {schedule}, "
+        "draft": f"{DRAFT_RECIPES[args.draft_loss]}, AdamW lr {args.lr}, {schedule}, "
         f"batch {BATCH}x{CONTEXT}",
     }
+    if args.target_from is not None:
+        recipe["target"] += f" (loaded from {args.target_from}, trained there)"
+    held_rule = f"sha256(path) < {args.held_out_fraction}"
     card = {
         "script": "scripts/train_tiny_pair.py",
         "command": "python scripts/train_tiny_pair.py "
@@ -682,8 +792,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "tokenizers": tokenizers.__version__,
         },
         "corpus": {
-            "description": f"Python {platform.python_version()} stdlib .py files minus "
-            f"{sorted(SKIP_PARTS)}; held out when sha256(path) < {args.held_out_fraction}",
+            "description": f"{corpus_text}; held out when {held_rule}",
             "train_files": len(train_files),
             "train_tokens": int(train_stream.numel()),
             "held_out_files_count": len(held),

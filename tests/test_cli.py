@@ -19,7 +19,7 @@ import torch
 import specselect
 from specselect import cli
 from specselect.cli import default_selectors, main, read_prompts
-from specselect.cost import CostModel
+from specselect.cost import CostModel, default_cost_model
 from specselect.metrics import Totals
 from specselect.replay import (
     OracleSelector,
@@ -154,7 +154,7 @@ def test_compare_numbers_match_the_library(compare_run: dict) -> None:
         c.label: c for c in selector_grid([*default_selectors(), "oracle"], [1, 2], [1, 2], BUDGETS)
     }
     for row in results["rows"]:
-        totals = replay(traces, configs[row["label"]].build(CostModel()), slots=2).totals
+        totals = replay(traces, configs[row["label"]].build(default_cost_model()), slots=2).totals
         metrics = row["metrics"]
         assert metrics["tokens_per_step"] == pytest.approx(totals.tokens_per_step)
         assert metrics["vsr"] == (pytest.approx(totals.vsr) if totals.verified else None)
@@ -343,6 +343,12 @@ def _bad_inputs(dirs: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
         "tree not a triple": (["--tree", "3,2"], "DEPTH,BRANCH,WIDTH"),
         "unknown estimator": ([*models, *prompts, "--selectors", "tetris+magic"], "'magic'"),
         "estimator on fixed": ([*models, *prompts, "--selectors", "fixed+history"], "no estimator"),
+        "missing cost model": (["--cost-model", str(tmp / "none.json")], "does not exist"),
+        "text as cost model": (
+            ["--cost-model", str(tmp / "empty.txt")],
+            f"--cost-model: cost file {str(tmp / 'empty.txt')!r} is not valid JSON",
+        ),
+        "binary as cost model": (["--cost-model", str(tmp / "other.pt")], "is not a text file"),
     }
 
 
@@ -376,6 +382,9 @@ BAD_CASES = [
     "tree not a triple",
     "unknown estimator",
     "estimator on fixed",
+    "missing cost model",
+    "text as cost model",
+    "binary as cost model",
 ]
 
 
@@ -722,3 +731,100 @@ def test_compare_on_the_shipped_pair(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert summary["requests"] == 4
     assert 0.0 < summary["greedy_agreement"] <= 1.0
     assert "oracle" in stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Cost models: compare's default and --cost-model, and specselect profile
+# --------------------------------------------------------------------------------------------
+
+
+def test_compare_uses_the_shipped_cost_model_and_says_so(compare_run: dict) -> None:
+    """No --cost-model: the measured CPU model of the shipped pair prices the steps (the numbers
+    match a replay with it: test_compare_numbers_match_the_library), and the table, the report
+    and results.json name it."""
+    shipped = default_cost_model()
+    described = shipped.describe()
+    assert described.startswith("cost-cpu.json: CPU ") and "eager" in described
+    assert compare_run["stdout"].splitlines()[0] == f"modelled goodput: cost model {described}"
+    meta = json.loads((compare_run["out"] / "results.json").read_text())["meta"]
+    assert meta["cost_model"]["description"] == described
+    assert meta["cost_model"]["file"] == shipped.path
+    assert (meta["cost_model"]["mode"], meta["cost_model"]["dtype"]) == ("eager", "float32")
+    assert f"cost model `{described}`" in (compare_run["out"] / "report.md").read_text()
+
+
+def test_compare_cost_model_option(compare_run: dict, tmp_path: Path) -> None:
+    """--cost-model FILE prices every step with that model, and the outputs name it."""
+    linear = CostModel.linear((1e-3, 0.0, 0.0), (1e-2, 1e-4, 0.0))
+    path = linear.save(tmp_path / "mine.json")
+    code, stdout, stderr = _reuse(compare_run, tmp_path / "out", "--cost-model", str(path))
+    assert code == 0, stderr
+    assert (
+        stdout.splitlines()[0] == "modelled goodput: cost model mine.json: hand-made cost "
+        "model (not measured)"
+    )
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["meta"]["cost_model"]["file"] == str(path)
+    traces = load_traces(compare_run["out"] / "traces.pt")
+    configs = {c.label: c for c in selector_grid(["fixed", "tetris", "oracle"], [1], [1])}
+    for row in results["rows"]:
+        totals = replay(traces, configs[row["label"]].build(linear), 2, linear).totals
+        assert row["metrics"]["goodput"] == pytest.approx(totals.goodput)
+        assert totals.goodput != pytest.approx(
+            replay(traces, configs[row["label"]].build(), 2).totals.goodput
+        )
+
+
+PROFILE_GRID = ["--batch-sizes", "1,2", "--widths", "1,2", "--contexts", "8", "--repeats", "1"]
+
+
+@pytest.mark.skipif(not _shipped_pair_available(), reason="the shipped pair is not installed")
+def test_profile_on_the_shipped_pair(tmp_path: Path) -> None:
+    """specselect profile end to end: the JSON that compare --cost-model reads, its plot, and
+    a summary of the fit on stdout."""
+    out = tmp_path / "costs" / "cpu.json"
+    argv = ["profile", "--out", str(out), "--quiet", "--statistic", "min", *PROFILE_GRID]
+    code, stdout, stderr = run_main(argv)
+    assert code == 0, stderr
+    assert stderr == ""
+    model = CostModel.load(out)
+    assert model.draft is not None and len(model.samples) == 6
+    assert model.source is not None and model.source.mode == "eager"
+    assert model.source.hardware.endswith("1 thread")  # --threads 1, the default
+    assert model.source.grid["batch_sizes"] == [1, 2]
+    assert model.source.grid["statistic"] == "min"
+    assert model.source.models["target"]["class"] == "LlamaForCausalLM"
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = stdout.splitlines()
+    assert lines[0] == f"cost model: {model.describe()}"
+    assert any(line.startswith("verify pass: ") for line in lines)
+    assert any(line.startswith("fit: relative error median") for line in lines)
+    assert f"json: {out}" in lines and f"plot: {out.with_suffix('.png')}" in lines
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch-sizes", "4"], "batch_sizes must hold at least 2"),
+        (["--widths", "0,1"], "--widths values must be >= 1"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--cuda-graphs"], "--cuda-graphs needs a CUDA --device, got 'cpu'"),
+        (["--device", "cuda:7"], "--device 'cuda:7'"),
+        (["--target", "nowhere"], "--target and --draft go together"),
+        (["--dtype", "int8"], "invalid choice"),
+        (["--statistic", "mean"], "invalid choice"),
+    ],
+)
+def test_profile_bad_input_exits_2_without_traceback(
+    tmp_path: Path, argv: list[str], message: str
+) -> None:
+    code, stdout, stderr = run_main(["profile", "--out", str(tmp_path / "c.json"), *argv])
+    assert code == 2
+    assert message in stderr and "Traceback" not in stderr + stdout
+    assert len(stderr.strip().splitlines()) == 1, stderr
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_profile_out_must_be_a_file(tmp_path: Path) -> None:
+    code, _, stderr = run_main(["profile", "--out", str(tmp_path)])
+    assert code == 2 and "is a directory; name the JSON file" in stderr

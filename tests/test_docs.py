@@ -97,9 +97,10 @@ def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_readme_table_excerpt_has_the_real_header() -> None:
-    """The README's excerpt of ``specselect compare``'s table starts with the header (and rule)
-    that the table of a default run has."""
+    """The README's excerpt of ``specselect compare``'s table starts with the lines (the cost
+    model, the header and the rule) that the table of a default run has."""
     from specselect.cli import default_selectors
+    from specselect.cost import default_cost_model
     from specselect.metrics import Totals
     from specselect.replay import ResultRow, SelectorConfig
     from specselect.report import format_table
@@ -107,7 +108,7 @@ def test_readme_table_excerpt_has_the_real_header() -> None:
     names = ["fixed", *default_selectors(), "oracle"]
     totals = Totals(steps=4, active=8, verified=16, accepted=8, emitted=16, seconds=1.0)
     rows = [ResultRow(SelectorConfig(name, 3, 2, None, {}), totals) for name in names]
-    header, rule, *_ = format_table(rows).splitlines()
+    table = format_table(rows, cost_model=default_cost_model().describe())
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     excerpt = readme.split("```text\n", 1)[1].splitlines()
-    assert excerpt[:2] == [header, rule]
+    assert excerpt[:3] == table.splitlines()[:3]

@@ -20,7 +20,8 @@ from specselect import (
     ThresholdSelector,
     make_selector,
 )
-from specselect.cost import CostModel
+from specselect.cost import CostModel, PassCost
+from test_cost import hand_pass
 
 NEG_INF = float("-inf")
 
@@ -154,13 +155,11 @@ def test_bad_constructor_arguments(
 
 
 def hand_goodput(alpha: float, k: int, batch: int, cost: CostModel, context: float) -> float:
-    """The paper's goodput written out from the coefficients (independent of CostModel methods)."""
-    d0, d1, d2 = cost.draft_coef
-    v0, v1, v2 = cost.verify_coef
+    """The paper's goodput written out from the terms (independent of CostModel methods)."""
+    assert cost.draft is not None
     emitted = batch * (k + 1 if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha))
-    draft = k * (d0 + d1 * batch + d2 * batch * context)
-    tokens = batch * (k + 1)
-    verify = v0 + v1 * tokens + v2 * tokens * context
+    draft = k * hand_pass(cost.draft, batch, batch, context)
+    verify = hand_pass(cost.verify, batch, batch * (k + 1), context)
     return emitted / (draft + verify)
 
 
@@ -172,9 +171,12 @@ def hand_window(alpha: float, batch: int, max_k: int, cost: CostModel, context: 
     return values.index(best)
 
 
-GPU_LIKE = CostModel()  # target pass dominated by its fixed cost
-EXPENSIVE_DRAFT = CostModel(draft_coef=(1e-2, 1e-5, 0.0), verify_coef=(1.5e-2, 4e-5, 0.0))
-LINEAR_VERIFY = CostModel(draft_coef=(1e-4, 0.0, 0.0), verify_coef=(1e-3, 1e-3, 1e-7))
+# A target pass dominated by its fixed cost (weights streamed once per pass), a draft ~10x cheaper.
+GPU_LIKE = CostModel.linear((1.5e-3, 2.0e-6, 1.0e-10), (1.5e-2, 4.0e-5, 2.0e-9))
+EXPENSIVE_DRAFT = CostModel.linear((1e-2, 1e-5, 0.0), (1.5e-2, 4e-5, 0.0))
+LINEAR_VERIFY = CostModel.linear((1e-4, 0.0, 0.0), (1e-3, 1e-3, 1e-7))
+# Verification flat up to 64 tokens, then 1 ms per token: windows stop growing at the knee.
+KNEE = CostModel(PassCost(1e-3), PassCost(1e-2, knee=64, beyond_knee=1e-3))
 
 DSD_CASES = [
     # (alpha, batch, max_k, cost model, context)
@@ -187,6 +189,7 @@ DSD_CASES = [
     (0.8, 4, 8, EXPENSIVE_DRAFT, 512.0),
     (0.95, 32, 10, LINEAR_VERIFY, 100.0),
     (1.0, 32, 10, LINEAR_VERIFY, 100.0),
+    (0.9, 16, 8, KNEE, 512.0),
 ]
 
 
@@ -208,7 +211,7 @@ def test_dsd_cases_cover_zero_interior_and_max_windows() -> None:
 
 def test_dsd_ties_go_to_the_smallest_window() -> None:
     """alpha = 0 and a cost that ignores the window: every window has the same goodput."""
-    flat = CostModel(draft_coef=(0.0, 0.0, 0.0), verify_coef=(1e-2, 0.0, 0.0))
+    flat = CostModel.linear((0.0, 0.0, 0.0), (1e-2, 0.0, 0.0))
     assert {hand_goodput(0.0, k, 4, flat, 512.0) for k in range(9)} == {400.0}
     assert DSDSelector(max_k=8, cost_model=flat, alpha0=0.0).draft_length(4) == 0
 
@@ -276,7 +279,7 @@ def test_dsd_between_rechoices_follows_the_number_of_active_requests() -> None:
 
 
 def test_dsd_select_is_window_clipped_by_available() -> None:
-    selector = DSDSelector(max_k=8, alpha0=0.7)
+    selector = DSDSelector(max_k=8, cost_model=GPU_LIKE, alpha0=0.7)
     window = selector.draft_length(3)
     assert 0 < window < 6, "the case needs a window strictly inside the drafted width"
     cut = [0.5] * (window - 1) + [0.0] * (7 - window)  # available: window - 1
@@ -286,7 +289,7 @@ def test_dsd_select_is_window_clipped_by_available() -> None:
 
 
 def test_dsd_reset_forgets_feedback() -> None:
-    selector = DSDSelector(max_k=8, interval=1, alpha0=0.9)
+    selector = DSDSelector(max_k=8, cost_model=GPU_LIKE, interval=1, alpha0=0.9)
     first = selector.draft_length(4)
     for _ in range(5):
         selector.update(selection_of([3] * 4, 3), torch.zeros(4, dtype=torch.int64))
@@ -448,7 +451,7 @@ def test_heuristic_reset_rows_restarts_only_those_rows() -> None:
 def test_dsd_probes_when_a_window_of_zero_looks_best() -> None:
     """A window of 0 verifies nothing, so the estimate could never recover; DSD probes with one
     token every other interval, and good probes bring the window back."""
-    cost = CostModel(draft_coef=(5e-3, 0.0, 0.0), verify_coef=(1.5e-2, 0.0, 0.0))
+    cost = CostModel.linear((5e-3, 0.0, 0.0), (1.5e-2, 0.0, 0.0))
     selector = DSDSelector(max_k=4, cost_model=cost, interval=4, alpha0=0.01)
     windows = []
     for _ in range(12):

@@ -1,4 +1,5 @@
-"""Acceptance estimators: convergence on synthetic streams, per-request resets, the guard."""
+"""Acceptance estimators: convergence on synthetic streams, per-request resets, the guard, the
+default's choice between the draft's ranking and a learned one, and capture in a graph."""
 
 from __future__ import annotations
 
@@ -7,16 +8,20 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from conftest import paper_tetris
 from specselect import Selection, TetrisSelector
 from specselect.estimators import (
     ESTIMATORS,
     CalibratedDraft,
     DraftProbability,
+    RankingChoice,
     RankingGuard,
     RequestHistory,
     observed_outcomes,
     tree_outcomes,
 )
+from specselect.estimators.synthetic import CALIBRATIONS, synthetic_traces
+from specselect.replay import Traces, iter_replay
 from specselect.tree import chain_parents
 
 ROWS, WIDTH = 32, 6
@@ -130,10 +135,16 @@ def test_guard_falls_back_when_draft_probabilities_carry_no_signal() -> None:
     assert bool(informative.trusted())
 
 
-def test_guard_needs_evidence_before_trusting() -> None:
+def test_guard_trusts_until_the_evidence_says_otherwise() -> None:
+    """Before ``min_observations`` tested tokens the scores are trusted, even uninformative
+    ones: the warm start is the ranking itself, not standard SD."""
+
+    def no_signal(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(q, 0.7)
+
     guard = RankingGuard(min_observations=10_000)
-    run_stream(DraftProbability(), under_confident, steps=20, guard=guard)
-    assert float(guard.auc()) > 0.6 and not bool(guard.trusted())
+    run_stream(DraftProbability(), no_signal, steps=20, guard=guard)
+    assert abs(float(guard.auc()) - 0.5) < 0.1 and bool(guard.trusted())
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
@@ -167,6 +178,8 @@ def test_estimators_run_on_meta_tensors(name: str) -> None:
         (lambda: RequestHistory(request_decays=(0.5, 1.5)), "request_decays"),
         (lambda: RequestHistory(request_decays=()), "request_decays"),
         (lambda: RankingGuard(min_auc=2), "min_auc"),
+        (lambda: RankingChoice(margin=-1), "margin"),
+        (lambda: RankingChoice(decay=2), "decay"),
     ],
 )
 def test_bad_estimator_arguments(factory, match: str) -> None:
@@ -174,12 +187,30 @@ def test_bad_estimator_arguments(factory, match: str) -> None:
         factory()
 
 
-def test_tetris_guard_falls_back_to_the_fixed_window_until_trusted() -> None:
-    selector = TetrisSelector(k=2, extra=2, estimator="calibrated", guard=True)
+def test_default_tetris_starts_as_the_papers_ranking() -> None:
+    """No evidence yet: the default TETRIS ranks by the draft probabilities, as the paper does
+    (it used to fall back to standard SD's fixed window until its guard trusted an estimate)."""
     logprobs = torch.log(torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.1, 0.1, 0.1, 0.1]]))
-    assert selector.select(logprobs).lengths.tolist() == [2, 2]  # no evidence yet: fixed k
     raw = TetrisSelector(k=2, extra=2, estimator=None, guard=False).select(logprobs)
     assert raw.lengths.tolist() == [4, 0]  # the paper's TETRIS on the raw draft probabilities
+    assert TetrisSelector(k=2, extra=2).select(logprobs).lengths.tolist() == [4, 0]
+
+
+def test_a_short_default_run_is_not_standard_sd() -> None:
+    """``examples/custom_loop.py`` as a new user runs it: 8 requests, 4 steps. The default
+    TETRIS used to print ``[3] * 8`` (standard SD's window) at every step; it now starts with
+    the paper's choice and never falls back to the fixed window."""
+    torch.manual_seed(0)
+    default = TetrisSelector(k=3, extra=2)
+    for step in range(4):
+        logprobs = torch.rand(8, 5).log()  # [8, 5]
+        selection = default.select(logprobs)
+        assert selection.lengths.tolist() != [3] * 8
+        if step == 0:
+            paper = paper_tetris(k=3, extra=2).select(logprobs)
+            assert torch.equal(selection.mask, paper.mask)
+        num_accepted = torch.minimum(selection.lengths, torch.randint(0, 6, (8,)))
+        default.update(selection, num_accepted)
 
 
 @pytest.mark.parametrize(
@@ -189,7 +220,8 @@ def test_tetris_guard_falls_back_to_the_fixed_window_until_trusted() -> None:
 def test_tetris_guard_fallback_keeps_a_fixed_budget(budget: int, lengths: list, tree: bool):
     """Untrusted, TETRIS falls back to standard SD's windows trimmed to the budget,
     shallowest positions first (then lower rows), and still closed under ancestors."""
-    selector = TetrisSelector(k=2, extra=2, budget=budget)  # no evidence yet: untrusted
+    untrusted = RankingGuard(min_auc=1.0, min_observations=0)  # no AUC reaches 1 when empty
+    selector = TetrisSelector(k=2, extra=2, budget=budget, guard=untrusted)
     logprobs = torch.log(torch.full((3, 4), 0.5))
     parents = torch.tensor([[-1, 0, 1, 2]] * 3) if tree else None  # a chain, as a tree
     selection = selector.select(logprobs, parents=parents)
@@ -214,15 +246,17 @@ def test_tetris_uses_the_estimator_once_the_guard_trusts_it() -> None:
 
 
 def test_request_ids_reset_the_slots_that_change_hands() -> None:
-    history = RequestHistory()
-    selector = TetrisSelector(k=2, extra=1, estimator=history)
+    selector = TetrisSelector(k=2, extra=1)
+    history = selector.estimator.learned  # the default's learned estimate
     logprobs = torch.full((3, 3), -0.1)
     for _ in range(5):
         selection = selector.select(logprobs, request_ids=torch.tensor([7, 8, 9]))
         selector.update(selection, selection.lengths)
-    assert (history._trials > 0).all()
+    seen = history._counts.sum(dim=(0, 2)) > 0  # [B]: tested tokens per slot
+    assert seen.all()
     selector.select(logprobs, request_ids=torch.tensor([7, 10, 9]))  # slot 1 holds request 10
-    assert (history._trials.sum(1) > 0).tolist() == [True, False, True]
+    seen = history._counts.sum(dim=(0, 2)) > 0
+    assert seen.tolist() == [True, False, True]
 
 
 def test_unknown_estimator_name_is_rejected() -> None:
@@ -256,7 +290,7 @@ def test_estimators_on_chain_shaped_trees_match_the_flat_path() -> None:
         flat.update(a, num_accepted)
         path = torch.arange(4) < num_accepted.unsqueeze(1)
         tree.update(b, num_accepted, accepted_nodes=path)
-    assert torch.allclose(flat.estimator._weights, tree.estimator._weights)
+    assert torch.allclose(flat.estimator.learned._weights, tree.estimator.learned._weights)
 
 
 def test_tree_update_needs_the_accepted_path() -> None:
@@ -295,30 +329,33 @@ def _logit(p: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_history_model_matches_the_dense_feature_matrix(tree: bool) -> None:
     """Estimates and one learning step equal the model written densely from its definition:
-    ``X = [1, logit(q_cal), logit(rate_s)..., position / 8]`` (``[B, K, F]``),
+    ``X = [logit q, logit q_cal, position / 8, 1, logit(rate_s)...]`` (``[B, K, F]``),
     ``p = sigmoid(X @ w)``, ``w -= lr * sum(tested * (p - passed) * X) / tested.sum()``."""
     gen = torch.Generator().manual_seed(7)
-    estimator = RequestHistory()
+    estimator = RequestHistory(draft_weight=0.5)  # every feature in use
     run_stream(estimator, lambda q, rows: q.sqrt(), steps=5)  # non-trivial weights and rates
     logprobs = torch.rand(ROWS, WIDTH, generator=gen).log()
     positions = torch.randint(0, 4, (ROWS, WIDTH), generator=gen) if tree else None
     depth = torch.arange(WIDTH).expand(ROWS, WIDTH) if positions is None else positions
-    strength, rate = estimator.strength, estimator._batch_rate
-    rates = (estimator._hits + strength * rate) / (estimator._trials + strength)  # [B, S]
+    accepted, rejected = estimator._counts  # [B, S] each
+    batch_rate = estimator._batch[0] / estimator._batch.sum()
+    rates = (accepted + estimator.strength * batch_rate) / (
+        accepted + rejected + estimator.strength
+    )  # [B, S]
+    q = logprobs.exp()
     dense = torch.cat(
         [
-            torch.ones(ROWS, WIDTH, 1),
+            torch.log(q / (1 - q)).unsqueeze(2),
             _logit(estimator.calibration.probabilities(logprobs, positions)).unsqueeze(2),
-            _logit(rates).unsqueeze(1).expand(ROWS, WIDTH, rates.shape[1]),
             (depth.to(torch.float32) / 8).unsqueeze(2),
+            torch.ones(ROWS, WIDTH, 1),
+            _logit(rates).unsqueeze(1).expand(ROWS, WIDTH, rates.shape[1]),
         ],
         dim=2,
     )
     weights = estimator._weights.clone()
     p = torch.sigmoid(dense @ weights)
-    torch.testing.assert_close(
-        estimator.estimate(logprobs, positions), p.clamp(1e-4, 1 - 1e-4).log()
-    )
+    torch.testing.assert_close(estimator.estimate(logprobs, positions), p.log())
     tested = torch.rand(ROWS, WIDTH, generator=gen) < 0.7
     passed = tested & (torch.rand(ROWS, WIDTH, generator=gen) < 0.5)
     estimator.learn(logprobs, tested, passed, positions)
@@ -327,7 +364,7 @@ def test_history_model_matches_the_dense_feature_matrix(tree: bool) -> None:
     torch.testing.assert_close(estimator._weights, weights - estimator.lr * gradient)
 
 
-@pytest.mark.parametrize("name", ["calibrated", "history"])
+@pytest.mark.parametrize("name", ["calibrated", "history", "choice"])
 def test_estimates_follow_an_input_buffer_refilled_in_place(name: str) -> None:
     """Loops with static buffers (CUDA graphs) refill one tensor every step: no estimate may
     come from a cache keyed on the tensor's identity."""
@@ -338,3 +375,187 @@ def test_estimates_follow_an_input_buffer_refilled_in_place(name: str) -> None:
     reused.estimate(buffer)
     buffer.fill_(-0.01)
     torch.testing.assert_close(reused.estimate(buffer), fresh.estimate(buffer.clone()))
+
+
+# --------------------------------------------------------------------------------------------
+# The default estimator's choice, on synthetic drafts of known calibration
+# --------------------------------------------------------------------------------------------
+
+
+def choice_over_a_run(traces: Traces, k: int = 3, extra: int = 2) -> list[bool]:
+    """Replay the default TETRIS over ``traces``; per step, whether it ranked by the learned
+    estimate."""
+    selector = TetrisSelector(k, extra)
+    choice = selector.estimator
+    assert isinstance(choice, RankingChoice)
+    return [bool(choice.uses_learned()) for _ in iter_replay(traces, selector, slots=32)]
+
+
+@pytest.mark.parametrize(
+    ("calibration", "learned"), [("calibrated", False), ("under-confident", True)]
+)
+def test_the_choice_converges_to_the_better_ranking(calibration: str, learned: bool) -> None:
+    """On a calibrated draft the draft's probability is the truth and the choice settles on
+    it; on a draft under-confident on half the requests, the learned estimate predicts (and
+    ranks, see docs/estimators.md) better and the choice settles on it. Settled: the same
+    choice over the last half of the run, for three trace seeds."""
+    for seed in range(3):
+        traces = synthetic_traces(calibration, requests=64, length=48, width=5, seed=seed)
+        uses = choice_over_a_run(traces)
+        assert len(uses) > 40
+        assert uses[len(uses) // 2 :] == [learned] * (len(uses) - len(uses) // 2), seed
+
+
+def test_the_guard_falls_back_only_when_neither_ranking_has_signal() -> None:
+    """Pure noise (an uninformative draft, all requests alike): the guard ends on standard SD.
+    With signal in either ranking it trusts the chosen scores."""
+    noise = synthetic_traces("uninformative", request_spread=0.0, length=48, width=5)
+    calibrated = synthetic_traces("calibrated", length=48, width=5)
+    by_request = synthetic_traces("uninformative", request_spread=2.0, length=48, width=5)
+    trusted = {}
+    for name, traces in (("noise", noise), ("calibrated", calibrated), ("requests", by_request)):
+        selector = TetrisSelector(3, 2)
+        for _ in iter_replay(traces, selector, slots=32):
+            pass
+        assert selector.guard is not None
+        trusted[name] = bool(selector.guard.trusted())
+    assert trusted == {"noise": False, "calibrated": True, "requests": True}
+
+
+def test_the_choice_follows_the_lower_log_loss() -> None:
+    """Fed the same outcomes, the learned estimate is used exactly when its decayed log-loss
+    per tested token is below the draft's."""
+    choice = RankingChoice(learned=CalibratedDraft())
+    gen = run_stream(choice, under_confident, steps=30)
+    draft_loss, learned_loss = choice.log_losses().tolist()
+    assert learned_loss < draft_loss  # calibration beats an under-confident draft
+    assert bool(choice.uses_learned())
+    logprobs = torch.rand(ROWS, WIDTH, generator=gen).log()
+    expected = choice.learned.estimate(logprobs)
+    torch.testing.assert_close(choice.estimate(logprobs), expected)
+    fresh = RankingChoice(learned=CalibratedDraft())
+    assert not bool(fresh.uses_learned())  # no evidence: the draft's own probabilities
+    assert torch.equal(fresh.estimate(logprobs), logprobs)
+
+
+# --------------------------------------------------------------------------------------------
+# Capture: select + update traced once, replayed like a CUDA graph
+# --------------------------------------------------------------------------------------------
+
+
+def test_select_and_update_replay_like_eager_calls_when_traced() -> None:
+    """A loop that captures ``select`` + ``update`` (CUDA graphs; ``make_fx`` here, which keeps
+    live tensors as constants) replays the recorded kernels on the buffers they saw: state
+    rebound to a new tensor would freeze in the graph. Replayed steps must select exactly what
+    eager calls select, through the estimator's switch from the draft's ranking to the learned
+    one, and the traced step may not read anything back to the host."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from specselect.hf.graphs import HostReads
+
+    rows, width, steps = 16, 5, 40
+    gen = torch.Generator().manual_seed(0)
+    all_logprobs = torch.rand(steps, rows, width, generator=gen).clamp(min=1e-3).log()
+    # Calibrated draft probabilities for 10 steps, then half the requests accept nearly
+    # everything whatever the draft says: the choice moves to the learned estimate.
+    easy = (torch.arange(rows) % 2 == 0).view(1, rows, 1)  # [1, B, 1]
+    truth = torch.where(easy, 0.95, 0.2).expand(steps, rows, width).clone()
+    truth[:10] = all_logprobs[:10].exp()
+    accepts = torch.rand(steps, rows, width, generator=gen) < truth
+    all_runs = accepts.to(torch.int64).cumprod(dim=2).sum(dim=2)  # [steps, B]
+    logprobs = torch.empty(rows, width)  # the loop's input buffers
+    runs = torch.empty(rows, dtype=torch.int64)
+    chosen = torch.empty(rows, width, dtype=torch.bool)  # the loop's output buffer
+
+    def step(selector: TetrisSelector) -> None:
+        selection = selector.select(logprobs)
+        selector.update(selection, torch.minimum(selection.lengths, runs))
+        chosen.copy_(selection.mask)
+
+    def load(index: int) -> torch.Tensor:
+        logprobs.copy_(all_logprobs[index])
+        runs.copy_(all_runs[index])
+        step(eager)
+        return chosen.clone()
+
+    eager, captured = TetrisSelector(3, 2), TetrisSelector(3, 2)
+    expected = load(0)
+    step(captured)  # a warm-up step allocates the state, as before a CUDA graph capture
+    assert torch.equal(chosen, expected)
+
+    def checked() -> None:
+        with HostReads(forbid=True, forbid_host_tensors=True):
+            step(captured)
+
+    expected = load(1)
+    graph = make_fx(checked)()  # tracing runs the step for real
+    assert torch.equal(chosen, expected)
+    uses = []
+    for index in range(2, steps):
+        expected = load(index)
+        uses.append(bool(eager.estimator.uses_learned()))
+        graph()
+        assert torch.equal(chosen, expected), index
+    assert uses[-1] and not uses[0]  # the replays went through the switch
+
+
+# --------------------------------------------------------------------------------------------
+# Synthetic traces
+# --------------------------------------------------------------------------------------------
+
+
+def first_token_outcomes(traces: Traces) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, accepted)`` of every position's first drafted token, flattened."""
+    q = traces.draft_logprobs[:, :, 0].exp().flatten()
+    return q, (traces.runs >= 1).flatten().to(q.dtype)
+
+
+def rank_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """AUC of ``scores`` for binary ``labels`` (continuous scores: no ties)."""
+    ranks = scores.argsort().argsort().to(torch.float64) + 1
+    positives = labels.bool()
+    n_pos, n_neg = int(positives.sum()), int((~positives).sum())
+    return float((ranks[positives].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+@pytest.mark.parametrize("calibration", CALIBRATIONS)
+def test_synthetic_drafts_have_the_calibration_they_claim(calibration: str) -> None:
+    traces = synthetic_traces(calibration, requests=200, length=64, width=4, seed=1)
+    q, accepted = first_token_outcomes(traces)
+    gap = float(accepted.mean() - q.mean())  # > 0: under-confident
+    auc = rank_auc(q, accepted)
+    if calibration == "calibrated":
+        bins = (q * 10).to(torch.int64).clamp(max=9)
+        for b in bins.unique():
+            inside = bins == b
+            if int(inside.sum()) > 500:  # the bin's acceptance rate is its probability
+                assert abs(float(accepted[inside].mean() - q[inside].mean())) < 0.05
+    elif calibration == "under-confident":
+        assert gap > 0.15 and auc > 0.7
+    elif calibration == "over-confident":
+        assert gap < -0.1 and auc > 0.7
+    else:
+        assert abs(auc - 0.5) < 0.03
+
+
+def test_synthetic_traces_replay_consistently() -> None:
+    """Overlapping windows agree: the run at ``t`` is ``1 + run at t + 1`` whenever the first
+    token was accepted (the same Bernoulli draw decides a position for every window)."""
+    traces = synthetic_traces("calibrated", requests=8, length=32, width=6)
+    runs = traces.runs  # [N, T]
+    accepted = runs[:, :-1] >= 1
+    following = torch.minimum(runs[:, 1:] + 1, torch.tensor(6))
+    assert torch.equal(runs[:, :-1][accepted], following[accepted])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"calibration": "perfect"}, "calibration"),
+        ({"calibration": "calibrated", "requests": 0}, "requests"),
+        ({"calibration": "calibrated", "request_spread": -1.0}, "request_spread"),
+    ],
+)
+def test_synthetic_traces_reject_bad_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        synthetic_traces(**kwargs)

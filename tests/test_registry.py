@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from specselect.cost import CostModel
+from specselect.cost import default_cost_model
 from specselect.estimators import ESTIMATORS, NO_ESTIMATOR
 from specselect.registry import SelectorSpec, parse_spec, spec_estimators
 from specselect.selectors import SELECTORS
@@ -60,7 +60,7 @@ def test_grid_kwargs_build_the_selector(name: str) -> None:
         if kwargs is None:
             assert budget is not None, f"{name} has no configuration at k={k}, extra={extra}"
             continue
-        selector = cls(**kwargs, **cls.spec_kwargs(None, CostModel()))
+        selector = cls(**kwargs, **cls.spec_kwargs(None, default_cost_model()))
         assert selector.draft_length(4) <= k + extra
     depends_on_extra = cls.grid_kwargs(2, 0, None) != cls.grid_kwargs(2, 1, None)
     assert depends_on_extra == cls.grid_extra

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from conftest import paper_tetris
 from specselect import FixedWindowSelector, TetrisSelector
-from specselect.cost import CostModel
+from specselect.cost import CostModel, default_cost_model
 from specselect.metrics import Totals
 from specselect.replay import (
     OracleSelector,
@@ -338,7 +338,7 @@ def test_replay_result_totals(random_run_traces: Traces) -> None:
 
 
 def test_replay_modelled_seconds(random_run_traces: Traces) -> None:
-    cost = CostModel(draft_coef=(1e-3, 2e-4, 3e-7), verify_coef=(1e-2, 5e-4, 7e-7))
+    cost = CostModel.linear((1e-3, 2e-4, 3e-7), (1e-2, 5e-4, 7e-7))
     steps = list(iter_replay(random_run_traces, FixedWindowSelector(2), 3, cost_model=cost))
     prompt_lengths = random_run_traces.prompt_lengths
     for step in steps:
@@ -680,7 +680,7 @@ def test_selector_grid_shapes() -> None:
 def test_selector_grid_builds_every_registered_selector(name: str) -> None:
     """Every registered selector can be configured from (k, extra) and drafts <= k + extra."""
     for config in selector_grid([name], [2, 3], [1, 2]):
-        selector = config.build(CostModel())
+        selector = config.build(default_cost_model())
         assert selector.name == name
         assert selector.draft_length(4) <= window_of(config)
 
@@ -721,7 +721,7 @@ def test_selector_grid_goodput_budget() -> None:
     config = goodput[0]
     assert config.kwargs == {"k": config.k, "extra": config.extra, "budget": "goodput"}
     assert config.label == f"{config.name} k={config.k} extra={config.extra} C=goodput"
-    cost = CostModel()
+    cost = default_cost_model()
     selector = config.build(cost)
     assert isinstance(selector, TetrisSelector) and selector.budget == "goodput"
     assert selector.cost_model is cost
@@ -733,7 +733,7 @@ def test_compare_replay_runs_fresh_selectors(synthetic_traces: Traces) -> None:
     results = compare_replay(synthetic_traces, configs, slots=4)
     assert [c for c, _ in results] == configs
     for config, result in results:
-        again = replay(synthetic_traces, config.build(CostModel()), 4)
+        again = replay(synthetic_traces, config.build(default_cost_model()), 4)
         assert result.totals == again.totals, config.label
 
 
@@ -823,10 +823,12 @@ def test_replay_equals_live(tiny_pair: tuple, model_traces: Traces, name: str, s
     target output. The goodput budget chooses its draft depth from what :meth:`observe` saw,
     so it also checks that both loops feed the hook the same numbers."""
     config = LIVE_CONFIGS[name]
-    outputs = _generate_in_batches(tiny_pair, model_traces, config.build(CostModel()), slots)
+    outputs = _generate_in_batches(
+        tiny_pair, model_traces, config.build(default_cost_model()), slots
+    )
     live_steps = [step for out in outputs for step in out.stats.steps]
     live_accepted = [int(a.sum()) for out in outputs for a in out.stats.accepted_per_step]
-    replayed = replay(model_traces, config.build(CostModel()), slots=slots, refill=False)
+    replayed = replay(model_traces, config.build(default_cost_model()), slots=slots, refill=False)
     assert [int(a.sum()) for a in replayed.accepted_per_step] == live_accepted
     assert [s.verified for s in replayed.steps] == [s.verified for s in live_steps]
 

@@ -20,6 +20,7 @@ from specselect import (
     HeuristicSelector,
     ThresholdSelector,
 )
+from specselect.cost import CostModel
 from specselect.tree import build_tree_buffers, chain_parents, path_sums
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -212,7 +213,8 @@ def test_heuristic_tree_windows_are_per_request_depths() -> None:
 def test_dsd_tree_acceptance_is_per_depth() -> None:
     """DSD's estimate moves by accepted / deepest selected depth: the chain rule per level, not
     accepted / selected nodes (siblings compete for one level)."""
-    selector = DSDSelector(max_k=2, alpha0=0.5)
+    flat_target = CostModel.linear((1e-3, 0.0, 0.0), (1e-2, 0.0, 0.0))  # windows cost little
+    selector = DSDSelector(max_k=2, cost_model=flat_target, alpha0=0.5)
     assert selector.draft_length(2) == 2, "the case needs a window of 2"
     selection = selector.select(TREE_LOGPROBS, parents=TREE)
     assert selection.lengths.tolist() == [4, 3]

@@ -1,9 +1,12 @@
-"""The ``specselect`` command line: ``specselect compare`` (also ``python -m specselect``).
+"""The ``specselect`` command line: ``compare`` and ``profile`` (also ``python -m specselect``).
 
 ``compare`` answers the question a user brings: on *my* models and prompts, which selector wins
 and by how much? It only wires library pieces together — :func:`specselect.replay.record_traces`,
 :func:`specselect.replay.compare_replay` (exact greedy replay, every selector and the oracle),
 ``speculative_generate`` for ``--mode live``, and :func:`specselect.report.write_report`.
+``profile`` measures what the models' forward passes cost on this hardware
+(:meth:`specselect.cost.CostModel.measure`) and writes the cost model that ``compare
+--cost-model`` reads.
 
 User errors (a bad argument, a missing model directory, an empty or unreadable prompts file, an
 unknown selector, an invalid grid value, traces recorded from other models or prompts, an
@@ -20,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -28,7 +31,7 @@ import torch
 from torch import Tensor
 
 from specselect import __version__
-from specselect.cost import CostModel
+from specselect.cost import CostFileError, CostModel, default_cost_model
 from specselect.replay import (
     OracleSelector,
     ResultRow,
@@ -279,6 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
         "speculative_generate and measure wall-clock goodput (default: %(default)s)",
     )
     run.add_argument(
+        "--cost-model",
+        metavar="FILE",
+        type=Path,
+        default=None,
+        help="cost model (JSON from specselect profile) that prices replayed steps and that "
+        "DSD plans with (default: the shipped pair's, measured on one CPU thread)",
+    )
+    run.add_argument(
         "--tree",
         type=_tree_spec,
         default=None,
@@ -324,7 +335,107 @@ def build_parser() -> argparse.ArgumentParser:
         help="no progress bars (neither specselect's nor transformers' weight loading)",
     )
     compare.set_defaults(func=run_compare)
+    _add_profile_parser(commands)
     return parser
+
+
+def _add_profile_parser(commands: Any) -> None:
+    from specselect.cost import (
+        DEFAULT_BATCH_SIZES,
+        DEFAULT_CONTEXTS,
+        DEFAULT_REPEATS,
+        DEFAULT_WIDTHS,
+        STATISTICS,
+    )
+
+    profile = commands.add_parser(
+        "profile",
+        help="measure what the models' forward passes cost, for compare --cost-model",
+        description="Time the target's verification passes and the draft's passes the way "
+        "speculative_generate runs them (static caches, eager or CUDA graphs), over a grid of "
+        "batch sizes and widths, fit a cost model with a knee, and write it as JSON with a plot "
+        "of measured against fitted times next to it. Defaults to the shipped pair.",
+    )
+    profile.add_argument(
+        "--target",
+        metavar="DIR",
+        type=Path,
+        help="local HF model directory of the target (default: the shipped tiny pair)",
+    )
+    profile.add_argument(
+        "--draft",
+        metavar="DIR",
+        type=Path,
+        help="local HF model directory of the draft (default: the shipped tiny pair)",
+    )
+    profile.add_argument(
+        "--device", default="cpu", help="torch device to time on (default: %(default)s)"
+    )
+    profile.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32",
+        help="model dtype (default: %(default)s)",
+    )
+    grids = [
+        ("--batch-sizes", "B,...", 1, DEFAULT_BATCH_SIZES, "rows per pass, at least two"),
+        ("--widths", "W,...", 1, DEFAULT_WIDTHS, "tokens per row of a verification pass "
+         "(k + 1), at least two"),
+        ("--contexts", "N,...", 0, DEFAULT_CONTEXTS, "tokens already cached per row; several "
+         "add context terms"),
+    ]  # fmt: skip
+    for option, metavar, minimum, default, text in grids:
+        profile.add_argument(
+            option,
+            metavar=metavar,
+            type=_int_list(option, minimum),
+            default=",".join(map(str, default)),
+            help=f"{text} (default: %(default)s)",
+        )
+    profile.add_argument(
+        "--repeats",
+        metavar="N",
+        type=_integer("--repeats", 1),
+        default=DEFAULT_REPEATS,
+        help="timed calls per shape, the median is kept (default: %(default)s)",
+    )
+    profile.add_argument(
+        "--statistic",
+        choices=STATISTICS,
+        default="median",
+        help="what a shape keeps of its timed calls: the median, or the minimum (on a shared "
+        "machine, where other processes preempt many short passes and only ever add time) "
+        "(default: %(default)s)",
+    )
+    profile.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time passes captured in CUDA graphs (--cuda-graphs), or eagerly "
+        "(--no-cuda-graphs) (default: graphs on a CUDA device, else eager)",
+    )
+    profile.add_argument(
+        "--threads",
+        metavar="N",
+        type=_integer("--threads", 0),
+        default=DEFAULT_THREADS,
+        help="CPU threads torch uses while timing, restored afterwards; 0 keeps torch's "
+        "setting (default: %(default)s)",
+    )
+    profile.add_argument(
+        "--note", default="", help="free text kept in the file (how, why, what was running)"
+    )
+    profile.add_argument(
+        "--out",
+        metavar="FILE",
+        type=Path,
+        default=Path("cost.json"),
+        help="the cost model's JSON file; the plot goes next to it with the suffix .png "
+        "(default: %(default)s)",
+    )
+    profile.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
+    profile.add_argument("--quiet", action="store_true", help="no progress bars")
+    profile.set_defaults(func=run_profile)
 
 
 # --------------------------------------------------------------------------------------------
@@ -628,11 +739,11 @@ def _selector_names(args: argparse.Namespace) -> list[str]:
 
 def default_selectors() -> list[str]:
     """Every registered selector, plus TETRIS as in the paper and with each estimator."""
-    from specselect.estimators import ESTIMATORS
+    from specselect.estimators import DEFAULT_ESTIMATOR, ESTIMATORS
     from specselect.registry import available_selectors
     from specselect.replay import NO_ESTIMATOR
 
-    others = [name for name in sorted(ESTIMATORS) if name != "history"]  # history: the default
+    others = [name for name in sorted(ESTIMATORS) if name != DEFAULT_ESTIMATOR]  # plain tetris
     return [*available_selectors(), *(f"tetris+{name}" for name in (NO_ESTIMATOR, *others))]
 
 
@@ -691,8 +802,8 @@ def _compare(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     max_k = max(args.k) + max(args.extra)
     check_writable_dir("--out", args.out)
+    cost_model = _cost_model(args)
     traces, inputs = obtain_traces(args, max_k)
-    cost_model = CostModel()
     if args.mode == "live":
         if inputs is None:  # obtain_traces loads the models for live runs
             raise UsageError("--mode live needs the models")
@@ -709,7 +820,7 @@ def _compare(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--out {str(args.out)!r}: cannot write the report: {_reason(exc)}"
         ) from None
-    print(format_table(rows))
+    print(format_table(rows, cost_model=cost_model.describe()))
     print()
     for kind, path in written.items():
         print(f"{kind}: {path}")
@@ -729,13 +840,82 @@ def _meta(args: argparse.Namespace, traces: Traces, cost: CostModel, seconds: fl
         "device": args.device,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
-        "cost_model": asdict(cost),
+        "cost_model": cost.summary(),
         "traces": traces_summary(traces),
         "models": {key: traces.meta.get(key) for key in ("target", "draft", "source")},
         "versions": traces.meta.get("versions"),
         "eos": "ignored: every request runs to max_new_tokens",
         "wall_seconds": round(seconds, 2),
     }
+
+
+def _cost_model(args: argparse.Namespace) -> CostModel:
+    """``--cost-model``, or the shipped one (the table, the report and results.json name it)."""
+    if args.cost_model is None:
+        try:
+            return default_cost_model()
+        except FileNotFoundError as exc:
+            raise UsageError(f"{exc} (or pass --cost-model)") from None
+    try:
+        return CostModel.load(args.cost_model)
+    except FileNotFoundError:
+        raise UsageError(f"--cost-model {str(args.cost_model)!r} does not exist") from None
+    except OSError as exc:
+        raise UsageError(f"--cost-model {str(args.cost_model)!r}: {_reason(exc)}") from None
+    except CostFileError as exc:
+        raise UsageError(f"--cost-model: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# profile
+# --------------------------------------------------------------------------------------------
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """The ``profile`` command: measure, write the JSON and the plot, print the fit."""
+    from specselect.profiling import check_grid, format_cost_model, plot_cost_model
+
+    check_model_args(args)
+    check_device(args.device)
+    try:
+        check_grid(args.batch_sizes, args.widths, args.contexts)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.cuda_graphs and torch.device(args.device).type != "cuda":
+        raise UsageError(f"--cuda-graphs needs a CUDA --device, got {args.device!r}")
+    if args.out.is_dir():
+        raise UsageError(f"--out {str(args.out)!r} is a directory; name the JSON file to write")
+    check_writable_dir("--out", args.out.parent)
+    with contextlib.ExitStack() as settings:
+        settings.enter_context(_torch_threads(args.threads))
+        if args.quiet:
+            settings.enter_context(_no_transformers_progress_bars())
+        target, draft = _shipped(args)[:2] if args.target is None else _from_dirs(args)[:2]
+        try:
+            model = CostModel.measure(
+                target,
+                draft,
+                dtype=DTYPES[args.dtype],
+                batch_sizes=args.batch_sizes,
+                widths=args.widths,
+                contexts=args.contexts,
+                cuda_graphs=args.cuda_graphs,
+                repeats=args.repeats,
+                statistic=args.statistic,
+                progress=not args.quiet,
+                note=args.note,
+            )
+        except ValueError as exc:  # a grid the fit cannot use, a model the loop cannot drive
+            raise UsageError(str(exc)) from None
+    written = {"json": model.save(args.out)}
+    model = CostModel.load(written["json"])  # what compare --cost-model will read
+    if not args.no_plots and _have_matplotlib():
+        written["plot"] = plot_cost_model(model, args.out.with_suffix(".png"))
+    print(format_cost_model(model))
+    print()
+    for kind, path in written.items():
+        print(f"{kind}: {path}")
+    return 0
 
 
 def _have_matplotlib() -> bool:

@@ -208,11 +208,12 @@ def _shown(rows: Sequence[ResultRow]) -> list[ResultRow]:
     return _ordered(merge_extra_repeats(rows))
 
 
-def format_table(rows: Sequence[ResultRow]) -> str:
+def format_table(rows: Sequence[ResultRow], *, cost_model: str | None = None) -> str:
     """Fixed-width console table, grouped by ``k`` (relative columns: vs fixed SD at that k).
 
     A selector whose rows are identical for every ``extra`` is shown once per ``k``
-    (:func:`merge_extra_repeats`).
+    (:func:`merge_extra_repeats`). ``cost_model`` (a :meth:`CostModel.describe` line) heads the
+    table when a row's goodput is modelled: it says what the seconds come from.
     """
     shown = _shown(rows)
     header, body = _table_cells(shown)
@@ -225,6 +226,8 @@ def format_table(rows: Sequence[ResultRow]) -> str:
         ).rstrip()  # an empty last cell (no ratio) leaves no trailing blanks
 
     lines = [line(header), "  ".join("-" * w for w in widths)]
+    if cost_model is not None and any(r.goodput_kind != MEASURED for r in shown):
+        lines.insert(0, cost_model_line(cost_model))
     previous_k = None
     for cells, row in zip(body, shown, strict=True):
         if previous_k is not None and row.k != previous_k:
@@ -347,27 +350,41 @@ _COLUMNS_NOTE = (
 )
 
 
-_MODELLED_NOTE = (
-    "Goodput is **modelled**: emitted tokens per second of the cost model "
-    "(`specselect.cost.CostModel`, coefficients below), not a measurement of these models."
-)
 _MEASURED_NOTE = (
     "Goodput is **measured**: wall-clock time of `speculative_generate` on this machine."
 )
 
 
-def _goodput_note(rows: Sequence[ResultRow]) -> str:
-    """Say which goodputs were measured and which modelled (live runs mix both: the oracle)."""
+def cost_model_line(description: str | None) -> str:
+    """The line naming the cost model that modelled goodput comes from."""
+    return f"modelled goodput: cost model {description or 'not recorded'}"
+
+
+def _cost_model_name(meta: dict[str, Any]) -> str:
+    """``meta["cost_model"]``'s description (a :meth:`CostModel.summary`), in backticks."""
+    model = meta.get("cost_model")
+    description = model.get("description") if isinstance(model, dict) else None
+    return f"`{description}`" if description else "not recorded"
+
+
+def _goodput_note(rows: Sequence[ResultRow], meta: dict[str, Any]) -> str:
+    """Say which goodputs were measured and which modelled (live runs mix both: the oracle),
+    and which cost model priced the modelled ones."""
+    model = _cost_model_name(meta)
     if all(r.goodput_kind != MEASURED for r in rows):
-        return _MODELLED_NOTE
+        return (
+            "Goodput is **modelled**: emitted tokens per second of the cost model "
+            f"{model} (`specselect.cost.CostModel`; its fitted terms are under Setup), not a "
+            "measurement of these models on this machine."
+        )
     modelled = sorted({r.selector for r in rows if r.goodput_kind != MEASURED})
     if not modelled:
         return _MEASURED_NOTE
     return (
         "Goodput is **measured** wall-clock time of `speculative_generate` on this machine, "
         f"except in the rows of {', '.join(f'`{name}`' for name in modelled)}: those are "
-        "replayed, not run, so their goodput is **modelled** by the cost model "
-        "(`specselect.cost.CostModel`) and is not compared with measured ones."
+        f"replayed, not run, so their goodput is **modelled** by the cost model {model} "
+        "and is not compared with measured ones."
     )
 
 
@@ -386,7 +403,7 @@ def markdown_report(
         "",
         _COLUMNS_NOTE,
         "",
-        _goodput_note(rows),
+        _goodput_note(rows, meta),
         "",
         markdown_table(rows),
         "",

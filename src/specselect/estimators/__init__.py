@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from specselect.estimators.base import AcceptanceEstimator, DraftProbability
 from specselect.estimators.calibrated import CalibratedDraft
+from specselect.estimators.choice import RankingChoice
 from specselect.estimators.guard import RankingGuard
 from specselect.estimators.history import RequestHistory
 from specselect.estimators.outcomes import observed_outcomes, tree_outcomes
@@ -16,7 +17,11 @@ ESTIMATORS: dict[str, type[AcceptanceEstimator]] = {
     DraftProbability.name: DraftProbability,
     CalibratedDraft.name: CalibratedDraft,
     RequestHistory.name: RequestHistory,
+    RankingChoice.name: RankingChoice,
 }
+
+DEFAULT_ESTIMATOR = RankingChoice.name
+"""The estimator a :class:`~specselect.TetrisSelector` ranks by unless told otherwise."""
 
 
 def make_estimator(estimator: AcceptanceEstimator | str | None) -> AcceptanceEstimator | None:
@@ -32,11 +37,13 @@ def make_estimator(estimator: AcceptanceEstimator | str | None) -> AcceptanceEst
 
 
 __all__ = [
+    "DEFAULT_ESTIMATOR",
     "ESTIMATORS",
     "NO_ESTIMATOR",
     "AcceptanceEstimator",
     "CalibratedDraft",
     "DraftProbability",
+    "RankingChoice",
     "RankingGuard",
     "RequestHistory",
     "make_estimator",

@@ -10,11 +10,17 @@ verification outcomes every step already produces, with no offline training.
 Every estimator works on device tensors, costs O(B·K) per step, and never reads a value back to
 the host. Per-request state lives in ``[B]`` tensors indexed by batch slot; :meth:`reset_rows`
 clears the slots that were handed to new requests.
+
+State is allocated on the first step (when the device and batch size are known) and from then on
+only updated in place, never rebound: a decoding loop may capture ``select`` and ``update`` in a
+CUDA graph, which replays its kernels on the buffers it recorded. A new batch size allocates new
+per-request state (and needs a new capture).
 """
 
 from __future__ import annotations
 
 import abc
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -83,6 +89,35 @@ class DraftProbability(AcceptanceEstimator):
         positions: Tensor | None = None,
     ) -> None:
         pass
+
+
+class Cached:
+    """One value computed from some tensors, kept for a later call on the *same* tensors.
+
+    A selector's ``update`` hands an estimator the very tensors its ``select`` estimated, so
+    work done in ``estimate`` (features, table cells) need not be redone in ``learn``. The key
+    is the tensors' identity, and :meth:`take` forgets the value: a loop that refills one input
+    buffer in place must never get a stale value for new data.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[Tensor | None, ...] = ()
+        self._value: Any = None
+
+    def keep(self, key: tuple[Tensor | None, ...], value: Any) -> None:
+        self._key, self._value = key, value
+
+    def take(self, key: tuple[Tensor | None, ...]) -> Any:
+        """The kept value if it was kept for these very tensors, else ``None``; then forget."""
+        same = len(key) == len(self._key) and all(
+            a is b for a, b in zip(key, self._key, strict=True)
+        )
+        value = self._value if same else None
+        self.clear()
+        return value
+
+    def clear(self) -> None:
+        self._key, self._value = (), None
 
 
 def logit(p: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""A guard on ranking quality: fall back to standard SD when estimates stop discriminating."""
+"""The ranking guard: fall back to standard SD when the scores show no signal."""
 
 from __future__ import annotations
 
@@ -7,21 +7,58 @@ from torch import Tensor
 
 from specselect._checks import check_int, check_probability
 
-BINS = 32
+BINS = 64
+"""Histogram bins per outcome (passed, failed), equal-width in ``logit p`` over ``[-LOGIT_SPAN,
+LOGIT_SPAN]``: fine resolution near 0 and 1, where a peaky draft puts most of its tokens (equal
+bins in ``p`` would lump every token above 0.97 together)."""
+LOGIT_SPAN = 8.0
+
+
+def score_cells(log_p: Tensor) -> Tensor:  # [..., N] -> [..., N] int64
+    """The histogram bin of each log-probability (see :data:`BINS`).
+
+    ``logit p = log p - log(1 - p)`` is ``-inf`` at ``p = 0`` and ``+inf`` at ``p = 1``; the
+    clamp puts them in the first and last bins.
+    """
+    logits = log_p - torch.log1p(-log_p.exp())
+    scaled = logits.add(LOGIT_SPAN).mul_(BINS / (2 * LOGIT_SPAN))
+    return scaled.clamp_(0, BINS - 1).to(torch.int64)
+
+
+def histogram_auc(histograms: Tensor) -> Tensor:  # [2, BINS] -> 0-dim
+    """AUC from the histograms of the scores that passed (row 0) and failed (row 1): the
+    chance that a random passing token was scored above a random failing one (ties count
+    half); 0.5 when either is empty."""
+    hist_pass, hist_fail = histograms.unbind(0)  # [BINS] each
+    # Failing tokens in lower bins, and half of those in the same bin.
+    below = torch.sub(torch.cumsum(hist_fail, 0), hist_fail, alpha=0.5)  # [BINS]
+    wins = torch.dot(hist_pass, below)
+    pairs = histograms.sum(dim=1).prod()
+    return torch.where(pairs > 0, wins / pairs.clamp(min=1e-12), 0.5)
 
 
 class RankingGuard:
-    """Online AUC of the estimated acceptance probabilities against observed outcomes.
+    """Trust a ranking unless recent outcomes show that it has no signal.
 
-    TETRIS helps only if its estimates *rank* tokens by their chance of acceptance. The guard
-    keeps decayed histograms of the estimates of tested tokens that passed and that failed, and
-    computes the AUC — the probability that a random passing token had a higher estimate than a
-    random failing one — from them. :meth:`trusted` is a 0-dim bool tensor: enough evidence and
-    ``AUC >= min_auc``. A selector uses it with ``torch.where``, so the fallback costs no sync.
+    TETRIS helps only if its scores *rank* tokens by their chance of acceptance. The guard keeps
+    decayed histograms of the scores of tested tokens that passed and that failed, and computes
+    the AUC from them — the probability that a random passing token was scored above a random
+    failing one. :meth:`trusted` is a 0-dim bool tensor: the scores are trusted *until* there is
+    evidence against them, i.e. while fewer than ``min_observations`` tested tokens were seen,
+    or once the AUC is at least ``min_auc``. A selector uses it with ``torch.where``, so the
+    fallback costs no sync.
+
+    Trusting before the evidence is what lets a short run use its ranking at all: a guard that
+    waited for evidence made TETRIS standard SD for the first few hundred tested tokens (every
+    step of a short batch). With the default estimator (:class:`~specselect.estimators.
+    RankingChoice`) the scores start as the draft's own probabilities, so the warm start is the
+    paper's TETRIS; the guard then watches whichever ranking the estimator chose, and falls
+    back to the fixed window only when that one — the better of the two — has no signal.
 
     Args:
-        min_auc: below this the estimates are not trusted (0.5 = no signal).
-        min_observations: decayed count of tested tokens needed before trusting anything.
+        min_auc: below this (once there is evidence) the scores are not trusted (0.5 = no
+            signal).
+        min_observations: decayed count of tested tokens before the AUC is believed.
         decay: per-step factor on the histograms.
     """
 
@@ -31,11 +68,14 @@ class RankingGuard:
         self.min_auc = check_probability("min_auc", min_auc)
         self.min_observations = check_int("min_observations", min_observations)
         self.decay = check_probability("decay", decay)
-        self.reset()
+        # [2, BINS] decayed histograms of the scores that passed (row 0) and failed (row 1);
+        # allocated on first use on the scores' device, then only updated in place.
+        self._histograms: Tensor | None = None
 
     def reset(self) -> None:
-        # [2, BINS] decayed histograms of the estimates that passed (row 0) and failed (row 1)
-        self._histograms: Tensor | None = None
+        """Forget the evidence (in place: a captured graph keeps its buffers)."""
+        if self._histograms is not None:
+            self._histograms.zero_()
 
     def _state(self, device: torch.device) -> Tensor:
         if self._histograms is None or self._histograms.device != device:
@@ -45,21 +85,17 @@ class RankingGuard:
     def observe(self, estimates: Tensor, tested: Tensor, passed: Tensor) -> None:
         """``[B, K]`` estimated log-probabilities and the step's tested / passed masks."""
         histograms = self._state(estimates.device)
-        cells = (estimates.exp() * BINS).to(torch.int64).clamp_(0, BINS - 1)  # [B, K]
         # One scatter for both histograms: failing tokens land in the second row.
-        cells = cells.add_(passed.logical_not(), alpha=BINS).reshape(-1)
-        weights = tested.reshape(-1).to(histograms.dtype)
-        histograms.mul_(self.decay).view(-1).index_add_(0, cells, weights)
+        cells = score_cells(estimates).add_(passed.logical_not(), alpha=BINS)  # [B, K]
+        weights = tested.to(histograms.dtype)  # [B, K]
+        histograms.mul_(self.decay).view(-1).index_add_(0, cells.view(-1), weights.view(-1))
 
     def auc(self, device: torch.device | str = "cpu") -> Tensor:
         """0-dim AUC of the recent estimates (0.5 when either histogram is empty)."""
-        hist_pass, hist_fail = self._state(torch.device(device))
-        below = torch.cumsum(hist_fail, 0) - hist_fail  # failing estimates in lower bins
-        wins = (hist_pass * (below + 0.5 * hist_fail)).sum()
-        pairs = hist_pass.sum() * hist_fail.sum()
-        return torch.where(pairs > 0, wins / pairs.clamp(min=1e-12), 0.5)
+        return histogram_auc(self._state(torch.device(device)))
 
     def trusted(self, device: torch.device | str = "cpu") -> Tensor:
-        """0-dim bool: enough observations and AUC >= ``min_auc``."""
-        enough = self._state(torch.device(device)).sum() >= self.min_observations
-        return enough & (self.auc(device) >= self.min_auc)
+        """0-dim bool: too little evidence yet, or AUC >= ``min_auc``."""
+        histograms = self._state(torch.device(device))
+        early = histograms.sum() < self.min_observations
+        return early | (histogram_auc(histograms) >= self.min_auc)

@@ -1,63 +1,42 @@
-"""Calibrated token probability combined with each request's own acceptance history."""
+"""Draft probability, its calibration and each request's acceptance history in one online model."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from specselect.constants import cached_constant
-from specselect.estimators.base import (
-    AcceptanceEstimator,
-    check_rows,
-    clamp_log,
-    logit,
-)
+from specselect.estimators.base import AcceptanceEstimator, Cached, check_rows
 from specselect.estimators.calibrated import CalibratedDraft, _check_unit
 
-
-class _Features(NamedTuple):
-    """The model's features ``[1, logit(calibrated q), logit(rate) per time scale, position/8]``
-    in factored form."""
-
-    calibrated: Tensor  # [B, K] logit of the calibrated probability
-    history: Tensor  # [B, S] logit of each time scale's acceptance rate of the row's request
-    position: Tensor  # [K] (chains) or [B, K] (trees): position / 8
-
-
-def _scaled_columns(width: int, device: torch.device) -> Tensor:
-    return torch.arange(width, device=device, dtype=torch.float32) / 8
-
-
-def _gradient(error: Tensor, features: _Features) -> Tensor:
-    """``[F]``: ``sum_{b,k} error[b, k] * feature[b, k, :]`` (unnormalised log-loss gradient),
-    one feature group at a time; ``error`` is ``[B, K]``."""
-    per_row = error.sum(dim=1)  # [B]
-    return torch.cat(
-        [
-            per_row.sum().unsqueeze(0),
-            (error * features.calibrated).sum().unsqueeze(0),
-            per_row @ features.history,  # [S]
-            (error * features.position).sum().unsqueeze(0),
-        ]
-    )
+LOGIT_MAX = 12.0  # the draft-probability feature is clamped to +-LOGIT_MAX (q = 0 or 1 stay finite)
+TOKEN_FEATURES = 3  # draft log-odds, calibrated log-odds, position / 8
+BATCH_DECAY = 0.95  # per-step factor on the batch's accepted / rejected counts
 
 
 class RequestHistory(AcceptanceEstimator):
-    """Online logistic regression on the calibrated probability and the request's history.
+    """Online logistic regression on the draft probability, its calibration, the request's
+    history and the position.
 
     Requests differ: on the shipped pair the draft agrees with the target on 78% of prose tokens
     but 49% of code tokens, at similar draft probabilities, and a request that is copying a
     repeated pattern keeps accepting for a while. Each batch slot therefore keeps decayed Beta
-    estimates of its own request's acceptance rate at two time scales (``request_decays``: a
-    fast one that follows the last step or two, a slow one for the request's character),
+    estimates of its own request's acceptance rate at several time scales (``request_decays``:
+    a fast one that follows the last step or two, a slow one for the request's character),
     ``rate = (hits + a) / (trials + a + b)`` with ``a + b = strength`` and ``a / (a + b)`` the
-    batch's running rate. A logistic model combines
-    ``[1, logit(calibrated q), logit(rate) for each time scale, position / 8]``. Its weights
-    start at ``[0, 1, history_weight, ..., 0]`` and follow one gradient step of the log-loss per
-    verification step, over the positions the target tested.
+    batch's running rate. A logistic model combines the features
+
+    ``[logit q, logit(calibrated q), position / 8, 1, logit(rate) for each time scale]``
+
+    where ``calibrated q`` comes from a :class:`CalibratedDraft` table. Its weights start at
+    ``[draft_weight, calibrated_weight, 0, 0, history_weight, ...]`` and follow one gradient
+    step of the log-loss per verification step, over the positions the target tested.
+
+    Everything that does not depend on the step's tokens (each row's history term, the
+    calibration table) is refreshed when the model learns, so that an estimate is a handful of
+    element-wise operations, one lookup and one small matrix-vector product. State is allocated
+    on the first call and then updated in place (see :mod:`specselect.estimators.base`).
 
     Args:
         calibration: the token-level calibration (a default :class:`CalibratedDraft` if omitted).
@@ -65,6 +44,8 @@ class RequestHistory(AcceptanceEstimator):
         strength: pseudo-observations of the batch rate in each request's Beta estimate.
         lr: step size of the logistic regression.
         history_weight: initial weight of each history feature.
+        draft_weight: initial weight of the draft probability's log-odds.
+        calibrated_weight: initial weight of the calibrated probability's log-odds.
     """
 
     name = "history"
@@ -76,6 +57,8 @@ class RequestHistory(AcceptanceEstimator):
         strength: float = 1.0,
         lr: float = 0.1,
         history_weight: float = 0.5,
+        draft_weight: float = 0.0,
+        calibrated_weight: float = 1.0,
     ) -> None:
         self.calibration = calibration if calibration is not None else CalibratedDraft()
         if len(request_decays) == 0:
@@ -90,79 +73,103 @@ class RequestHistory(AcceptanceEstimator):
         self.strength = float(strength)
         self.lr = float(lr)
         self.history_weight = float(history_weight)
-        self.reset()
+        self.draft_weight = float(draft_weight)
+        self.calibrated_weight = float(calibrated_weight)
+        # Shared state: [F] weights, [2] decayed accepted / rejected counts of the whole batch,
+        # [S] the request decays.
+        self._weights: Tensor | None = None
+        self._batch: Tensor | None = None
+        self._decays: Tensor | None = None
+        # Per-slot state: [2, B, S] decayed accepted / rejected counts per time scale, and what
+        # the next estimate reads: [B, S] history log-odds, [B] bias + history term.
+        self._counts: Tensor | None = None
+        self._history: Tensor | None = None
+        self._row_terms: Tensor | None = None
+        self._columns: Tensor | None = None  # [K] position / 8 of each chain column
+        self._estimated = Cached()  # features and log-probabilities of the last estimate
+
+    @property
+    def _initial_weights(self) -> list[float]:
+        history = [self.history_weight] * len(self.request_decays)
+        return [self.draft_weight, self.calibrated_weight, 0.0, 0.0, *history]
 
     def reset(self) -> None:
         self.calibration.reset()
-        self._weights: Tensor | None = None  # [F]
-        self._hits: Tensor | None = None  # [B, S] decayed accepted tokens per time scale
-        self._trials: Tensor | None = None  # [B, S] decayed tested tokens
-        self._batch_rate: Tensor | None = None  # 0-dim running acceptance rate of all requests
-        self._estimated: tuple[Tensor, Tensor | None, _Features, Tensor] | None = None
+        self._estimated.clear()
+        if self._weights is None or self._batch is None:
+            return
+        self._weights.copy_(torch.tensor(self._initial_weights))
+        self._batch.copy_(torch.tensor(_BATCH_PRIOR))
+        if self._counts is not None:
+            self._counts.zero_()
+            self._refresh_rows()
 
     def reset_rows(self, rows: Tensor) -> None:
-        if self._hits is None or self._trials is None:
+        if self._counts is None:
             return
-        rows = check_rows(rows, self._hits.shape[0]).unsqueeze(1)
-        self._estimated = None  # the features of these rows change
-        self._hits = torch.where(rows, 0.0, self._hits)
-        self._trials = torch.where(rows, 0.0, self._trials)
+        rows = check_rows(rows, self._counts.shape[1])
+        self._estimated.clear()  # the features of these rows change
+        self._counts.masked_fill_(rows.view(1, -1, 1), 0.0)
+        self._refresh_rows()
 
-    def _state(self, batch: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Shared weights and batch rate persist; per-slot counts follow the batch shape."""
-        scales = len(self.request_decays)
-        if self._weights is None or self._batch_rate is None or self._weights.device != device:
-            history = [self.history_weight] * scales
-            self._weights = torch.tensor([0.0, 1.0, *history, 0.0], device=device)
-            self._batch_rate = torch.tensor(0.7, device=device)
-            self._decays = torch.tensor(self.request_decays, device=device)  # [S], made once
-        if self._hits is None or self._trials is None or self._hits.shape[0] != batch:
-            self._hits = torch.zeros(batch, scales, device=device)
-            self._trials = torch.zeros(batch, scales, device=device)
-        return self._weights, self._hits, self._trials, self._batch_rate
+    def _state(self, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(weights [F], counts [2, B, S])``, allocated when first needed; shared state
+        persists, per-slot state follows the batch shape."""
+        if self._weights is None or self._batch is None or self._weights.device != device:
+            self._weights = torch.tensor(self._initial_weights, device=device)
+            self._batch = torch.tensor(_BATCH_PRIOR, device=device)
+            self._decays = torch.tensor(self.request_decays, device=device)
+            self._counts = None
+        if self._counts is None or self._counts.shape[1] != batch:
+            scales = len(self.request_decays)
+            self._counts = torch.zeros(2, batch, scales, device=device)
+            self._history = torch.empty(batch, scales, device=device)
+            self._row_terms = torch.empty(batch, device=device)
+            self._refresh_rows()
+        return self._weights, self._counts
 
-    def _features(self, draft_logprobs: Tensor, positions: Tensor | None) -> _Features:
-        """The features of each token (see the class docstring), kept factored: the history
-        features are per row and the position feature per column, so that no ``[B, K, F]``
-        tensor is ever built."""
-        _, hits, trials, batch_rate = self._state(draft_logprobs.shape[0], draft_logprobs.device)
-        calibrated = self.calibration.logits(draft_logprobs, positions)  # [B, K]
-        rates = (hits + self.strength * batch_rate) / (trials + self.strength)  # [B, S]
+    def _refresh_rows(self) -> None:
+        """Recompute each row's history log-odds and its term of the model, in place."""
+        assert self._weights is not None and self._batch is not None
+        assert self._counts is not None and self._history is not None
+        assert self._row_terms is not None
+        batch_rate = self._batch[0] / self._batch.sum()  # 0-dim
+        accepted = torch.add(self._counts[0], batch_rate, alpha=self.strength)  # [B, S]
+        rejected = torch.add(self._counts[1], batch_rate, alpha=-self.strength).add_(self.strength)
+        torch.sub(accepted.log_(), rejected.log_(), out=self._history)
+        bias = self._weights[TOKEN_FEATURES].expand(self._row_terms.shape)  # [B]
+        torch.addmv(bias, self._history, self._weights[TOKEN_FEATURES + 1 :], out=self._row_terms)
+
+    def _token_features(self, draft_logprobs: Tensor, positions: Tensor | None) -> Tensor:
+        """``[3, B, K]``: the draft's log-odds, the calibrated log-odds, position / 8."""
+        q = draft_logprobs.exp()
+        draft = (draft_logprobs - torch.log1p(-q)).clamp_(-LOGIT_MAX, LOGIT_MAX)  # [B, K]
+        calibrated = self.calibration.logits(draft_logprobs, positions, q=q)  # [B, K]
         if positions is None:  # chains: one position per column
-            position = cached_constant(
-                ("history_positions", draft_logprobs.shape[1], draft_logprobs.device),
-                _scaled_columns,
-            )
+            width, device = draft_logprobs.shape[1], draft_logprobs.device
+            columns = self._columns
+            if columns is None or columns.shape[0] != width or columns.device != device:
+                columns = torch.arange(width, device=device, dtype=torch.float32) / 8
+                self._columns = columns
+            position = columns.expand(draft.shape)
         else:
-            position = positions.to(torch.float32) / 8
-        return _Features(calibrated, logit(rates), position)
+            position = positions.to(draft.dtype) / 8
+        return torch.stack([draft, calibrated, position])
 
-    def _probabilities(self, features: _Features, weights: Tensor) -> Tensor:
-        """``[B, K]`` sigmoid of the linear model, summed feature group by feature group."""
-        scales = len(self.request_decays)
-        bias = weights[0].expand(features.history.shape[0])  # [B]: a 0-dim one loses B = 0
-        row_terms = torch.addmv(bias, features.history, weights[2 : 2 + scales])  # [B]
-        base = features.position * weights[-1] + row_terms.unsqueeze(1)  # [B, K]
-        return torch.sigmoid(torch.addcmul(base, features.calibrated, weights[1]))
+    def _log_probabilities(self, draft_logprobs: Tensor, positions: Tensor | None) -> Tensor:
+        """``[B, K]`` ``log sigmoid(features @ weights)``, kept (with the features) for learn."""
+        weights, _ = self._state(draft_logprobs.shape[0], draft_logprobs.device)
+        assert self._row_terms is not None
+        features = self._token_features(draft_logprobs, positions)  # [3, B, K]
+        flat = features.view(TOKEN_FEATURES, -1)  # [3, B * K]
+        z = (weights[:TOKEN_FEATURES] @ flat).view(draft_logprobs.shape)  # [B, K]
+        log_p = torch.nn.functional.logsigmoid(z.add_(self._row_terms.unsqueeze(1)))
+        self._estimated.keep((draft_logprobs, positions), (features, log_p))
+        return log_p
 
     def estimate(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
-        weights = self._state(draft_logprobs.shape[0], draft_logprobs.device)[0]
-        features = self._features(draft_logprobs, positions)
-        p = self._probabilities(features, weights)
-        # A selector learns from the very tensors it estimated: keep the work for ``learn``.
-        self._estimated = (draft_logprobs, positions, features, p)
-        return clamp_log(p, draft_logprobs > float("-inf"))
-
-    def _features_and_probs(
-        self, draft_logprobs: Tensor, positions: Tensor | None, weights: Tensor
-    ) -> tuple[_Features, Tensor]:
-        """Features and ``[B, K]`` probabilities of these tokens, reused from :meth:`estimate`
-        if it just saw the same tensors (nothing it depends on changes in between)."""
-        cached = self._estimated
-        if cached is not None and cached[0] is draft_logprobs and cached[1] is positions:
-            return cached[2], cached[3]
-        features = self._features(draft_logprobs, positions)
-        return features, self._probabilities(features, weights)
+        log_p = self._log_probabilities(draft_logprobs, positions)
+        return torch.where(draft_logprobs > float("-inf"), log_p, float("-inf"))
 
     def learn(
         self,
@@ -171,20 +178,33 @@ class RequestHistory(AcceptanceEstimator):
         passed: Tensor,
         positions: Tensor | None = None,
     ) -> None:
-        weights, hits, trials, batch_rate = self._state(
-            draft_logprobs.shape[0], draft_logprobs.device
-        )
-        features, p = self._features_and_probs(draft_logprobs, positions, weights)
-        self._estimated = None
-        error = (p - passed.to(p.dtype)) * tested.to(p.dtype)  # [B, K]
-        count = tested.sum().clamp(min=1).to(p.dtype)
-        gradient = _gradient(error, features) / count  # [F]
-        self._weights = weights - self.lr * gradient
-        step_hits = (tested & passed).sum(dim=1, keepdim=True).to(hits.dtype)  # [B, 1]
-        step_trials = tested.sum(dim=1, keepdim=True).to(trials.dtype)
-        self._hits = self._decays * hits + step_hits
-        self._trials = self._decays * trials + step_trials
-        observed = step_hits.sum() / step_trials.sum().clamp(min=1)
-        any_tested = step_trials.sum() > 0
-        self._batch_rate = torch.where(any_tested, 0.95 * batch_rate + 0.05 * observed, batch_rate)
-        self.calibration.learn(draft_logprobs, tested, passed, positions)
+        weights, counts = self._state(draft_logprobs.shape[0], draft_logprobs.device)
+        assert self._batch is not None and self._history is not None
+        assert self._decays is not None
+        cached = self._estimated.take((draft_logprobs, positions))
+        if cached is None:
+            self._log_probabilities(draft_logprobs, positions)
+            cached = self._estimated.take((draft_logprobs, positions))
+        features, log_p = cached
+        # passed implies tested, so tested ^ passed are the rejections.
+        outcomes = torch.stack([passed, tested ^ passed]).to(weights.dtype)  # [2, B, K]
+        error = log_p.exp().sub_(outcomes[0]).mul_(tested)  # [B, K] (p - passed) where tested
+        per_row = outcomes.sum(dim=2)  # [2, B]
+        totals = per_row.sum(dim=1)  # [2]
+        gradient = _gradient(error, features, self._history)  # [F]
+        weights.sub_(gradient.mul_(self.lr / totals.sum().clamp(min=1)))
+        counts.mul_(self._decays).add_(per_row.unsqueeze(2))
+        self._batch.mul_(BATCH_DECAY).add_(totals)
+        self._refresh_rows()
+        self.calibration.add_outcomes(draft_logprobs, positions, outcomes)
+
+
+_BATCH_PRIOR = (0.7, 0.3)  # one pseudo-observation at acceptance rate 0.7 before any evidence
+
+
+def _gradient(error: Tensor, features: Tensor, history: Tensor) -> Tensor:
+    """``[F]`` unnormalised log-loss gradient ``sum_{b,k} error[b, k] * x[b, k, :]``, in the
+    weights' order: token features (``[3, B, K]``), bias, history (``[B, S]``)."""
+    token = features.view(TOKEN_FEATURES, -1) @ error.view(-1)  # [3]
+    per_row = error.sum(dim=1)  # [B]
+    return torch.cat([token, per_row.sum().unsqueeze(0), per_row @ history])

@@ -6,7 +6,8 @@ by chance, and downloading real checkpoints is not allowed in tests or CI. The p
 ``tiny_pair/`` (about 14 MB of fp16 safetensors) was trained on the Python standard library by
 ``scripts/train_tiny_pair.py``; ``tiny_pair/MODEL_CARD.md`` records how and what it measures.
 It is a toy for correctness tests and relative comparisons of selectors, not for speed or
-quality claims about real models.
+quality claims about real models. ``tiny_pair/cost-cpu.json`` is its cost model measured on one
+CPU thread (``specselect profile``), the default of :func:`specselect.cost.default_cost_model`.
 
 ``transformers`` is imported lazily so that ``import specselect.models`` (e.g. to read
 :data:`TINY_PAIR_DIR`) stays cheap.
@@ -26,8 +27,9 @@ if TYPE_CHECKING:
 __all__ = ["TINY_PAIR_DIR", "load_prompts", "load_tiny_pair"]
 
 TINY_PAIR_DIR: Path = Path(__file__).resolve().parent / "tiny_pair"
-"""Package directory holding ``target/``, ``draft/``, ``tokenizer/``, ``prompts.jsonl`` and the
-model card (``MODEL_CARD.md``, ``card.json``)."""
+"""Package directory holding ``target/``, ``draft/``, ``tokenizer/``, ``prompts.jsonl``, the
+model card (``MODEL_CARD.md``, ``card.json``) and the measured CPU cost model
+(``cost-cpu.json``)."""
 
 _REQUIRED = (
     "target/config.json",

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int
-from specselect.cost import CostModel
+from specselect.cost import CostModel, default_cost_model
 from specselect.estimators import observed_outcomes
 from specselect.metrics import StepCounts, Totals
 from specselect.replay.oracle import OracleSelector
@@ -170,7 +170,7 @@ def iter_replay(
     if not isinstance(selector, Selector):
         raise TypeError(f"selector must be a specselect Selector, got {type(selector).__name__}")
     slots = check_int("slots", slots, minimum=1)
-    cost_model = CostModel() if cost_model is None else cost_model
+    cost_model = default_cost_model() if cost_model is None else cost_model
     n, length, max_k = traces.num_requests, traces.max_new_tokens, traces.max_k
     prompt_lengths = traces.prompt_lengths
     selector.reset()
@@ -307,7 +307,7 @@ def replay(
             first. An :class:`OracleSelector` is handed the true runs each step.
         slots: batch slots.
         cost_model: prices each step (``CostModel.step_time(active, K, verified, context)``);
-            the default :class:`~specselect.cost.CostModel` if None.
+            None: :func:`~specselect.cost.default_cost_model` (the shipped pair on a CPU).
         context: context length for the cost model; None uses the mean context (prompt +
             emitted tokens) of the active requests at each step.
         refill: refill slots as soon as they free up (a serving stream) or only in waves.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specselect._checks import check_int
-from specselect.cost import CostModel
+from specselect.cost import CostModel, default_cost_model
 from specselect.estimators import NO_ESTIMATOR
 from specselect.registry import available_selectors, parse_spec, spec_estimators
 from specselect.replay.engine import ReplayResult, replay
@@ -154,8 +154,12 @@ def compare_replay(
     *,
     progress: bool = False,
 ) -> list[tuple[SelectorConfig, ReplayResult]]:
-    """Replay every configuration over the same traces (each with a fresh selector)."""
-    cost_model = CostModel() if cost_model is None else cost_model
+    """Replay every configuration over the same traces (each with a fresh selector).
+
+    ``cost_model`` prices the steps and is given to selectors that take one (DSD); None:
+    :func:`~specselect.cost.default_cost_model`.
+    """
+    cost_model = default_cost_model() if cost_model is None else cost_model
     results = []
     iterator: Any = configs
     if progress:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from specselect.cost import CostModel
+from specselect.cost import CostModel, default_cost_model
 from specselect.metrics import StepCounts, Totals
 from specselect.replay.engine import replay
 from specselect.replay.grid import SelectorConfig
@@ -65,7 +65,7 @@ def live_totals(
         config: the selector configuration to run.
         slots: prompts per batch.
         max_new_tokens: tokens generated per request.
-        cost_model: given to selectors that take one.
+        cost_model: given to selectors that take one (None: their own default).
         tree: draft-tree shape; None runs chains.
     """
     from specselect.hf import speculative_generate
@@ -102,7 +102,7 @@ def static_oracle_row(
     A refilling replay would batch the requests differently from the live rows beside it, so
     its bound would not be a bound for them.
     """
-    cost_model = CostModel() if cost_model is None else cost_model
+    cost_model = default_cost_model() if cost_model is None else cost_model
     result = replay(traces, config.build(cost_model), slots, cost_model, refill=False)
     return ResultRow.replayed(config, result)
 
@@ -125,7 +125,11 @@ def compare_live(
 
     A short untimed warm-up run comes first: the first forward passes of a process pay for
     one-off initialisation, which would otherwise be charged to the first configuration.
+
+    ``cost_model`` is given to selectors that take one (DSD) and prices the oracle's replayed
+    row; None: :func:`~specselect.cost.default_cost_model`.
     """
+    cost_model = default_cost_model() if cost_model is None else cost_model
     prompt_ids = list(traces.prompt_ids)
     max_new_tokens = traces.max_new_tokens
     live_totals(target, draft, prompt_ids[:slots], _WARM_UP, slots, _WARM_UP_TOKENS, cost_model)

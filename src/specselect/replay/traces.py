@@ -323,7 +323,9 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
-def _versions() -> dict[str, str]:
+def package_versions() -> dict[str, str]:
+    """Versions of specselect, torch, python and (when installed) transformers: what a recording
+    (or a cost measurement) records of the software it ran on."""
     import specselect
 
     versions = {
@@ -405,7 +407,7 @@ def record_traces(
         "max_k": max_k,
         "num_requests": n,
         "eos_stops": False,
-        "versions": _versions(),
+        "versions": package_versions(),
         **(meta or {}),
     }
     return Traces(

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int, check_probability
-from specselect.cost import CostModel
+from specselect.cost import CostModel, default_cost_model
 from specselect.selection import Selection, Selector, available_lengths, mask_inactive
 from specselect.tree import available_nodes
 
@@ -117,8 +117,9 @@ class DSDSelector(Selector):
 
     Args:
         max_k: largest window considered.
-        cost_model: timing model; the default :class:`CostModel` resembles a 7B target with a
-            small draft on one GPU. Fit one to your deployment with :meth:`CostModel.fit`.
+        cost_model: timing model; default :func:`~specselect.cost.default_cost_model` (the
+            shipped pair measured on a CPU). Measure your own models with ``specselect
+            profile`` or :meth:`CostModel.measure`.
         interval: steps between two reads of the acceptance estimate.
         alpha0: initial acceptance estimate, in ``[0, 1]``.
         context: mean context length passed to the cost model.
@@ -143,7 +144,12 @@ class DSDSelector(Selector):
                 f"cost_model must be a specselect.cost.CostModel or None, "
                 f"got {type(cost_model).__name__}"
             )
-        self.cost_model = CostModel() if cost_model is None else cost_model
+        self.cost_model = default_cost_model() if cost_model is None else cost_model
+        if self.cost_model.draft is None:
+            raise ValueError(
+                "cost_model has no draft part (a model of plain decoding): DSD drafts, so its "
+                "cost model must price drafting; measure one with a draft model"
+            )
         self.interval = check_int("interval", interval, minimum=1)
         self.alpha0 = check_probability("alpha0", alpha0)
         self.context = _check_context(context)

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from specselect._checks import check_int, check_probability
 from specselect.constants import cached_constant
-from specselect.cost import CostModel
+from specselect.cost import default_cost_model
 
 __all__ = [
     "GOODPUT",
@@ -81,7 +81,7 @@ class StepCosts(Protocol):
 def default_costs() -> StepCosts:
     """The cost model a goodput budget plans with when given none: the library's default, the
     one replay prices steps with."""
-    return CostModel()
+    return default_cost_model()
 
 
 def check_cost_model(value: object) -> StepCosts:

@@ -12,6 +12,7 @@ from specselect._checks import check_int
 from specselect.constants import cached_constant
 from specselect.cost import CostModel
 from specselect.estimators import (
+    DEFAULT_ESTIMATOR,
     NO_ESTIMATOR,
     AcceptanceEstimator,
     RankingGuard,
@@ -57,14 +58,16 @@ class TetrisSelector(Selector):
             draft depth in ``[1, k + extra]`` chosen for it too
             (:mod:`specselect.selectors.goodput`; docs: "The goodput budget").
         estimator: an :class:`~specselect.estimators.AcceptanceEstimator` (or its registry name:
-            ``"draft"``, ``"calibrated"``, ``"history"``) that turns draft log-probabilities into
-            estimated acceptance log-probabilities before ranking. The default,
-            :class:`~specselect.estimators.RequestHistory`, won on exact replay of the shipped
-            pair (docs: "Acceptance estimators"); ``None`` ranks by the draft probabilities
-            themselves, exactly as in the paper.
-        guard: fall back to the fixed window ``k`` while the ranking quality of the scores is
-            poor (see :class:`~specselect.estimators.RankingGuard`), so that the worst case is
-            standard SD; ``True`` (default) for the default guard, ``False`` for none.
+            ``"draft"``, ``"calibrated"``, ``"history"``, ``"choice"``) that turns draft
+            log-probabilities into estimated acceptance log-probabilities before ranking. The
+            default, :class:`~specselect.estimators.RankingChoice`, ranks by the draft
+            probabilities (as the paper) until a learned estimate has predicted the tested
+            tokens' acceptance better, then by the learned estimate (docs: "Acceptance
+            estimators"); ``None`` ranks by the draft probabilities themselves, exactly as in
+            the paper.
+        guard: fall back to the fixed window ``k`` once the outcomes show that the scores do
+            not rank (see :class:`~specselect.estimators.RankingGuard`), so that the worst case
+            is standard SD; ``True`` (default) for the default guard, ``False`` for none.
         cost_model: the step times the goodput budget plans with (a
             :class:`~specselect.cost.CostModel`, or anything with its ``draft_time`` and
             ``verify_time``); :func:`~specselect.selectors.goodput.default_costs` if omitted.
@@ -85,7 +88,7 @@ class TetrisSelector(Selector):
         k: int,
         extra: int = 2,
         budget: int | str | None = None,
-        estimator: AcceptanceEstimator | str | None = "history",
+        estimator: AcceptanceEstimator | str | None = DEFAULT_ESTIMATOR,
         guard: RankingGuard | bool = True,
         cost_model: StepCosts | None = None,
     ) -> None:

@@ -1,0 +1,420 @@
+"""Measuring a :class:`~specselect.cost.CostModel` on real models, and plotting the fit.
+
+:meth:`CostModel.measure <specselect.cost.CostModel.measure>` (through :func:`measure_samples`)
+times the forward passes the HF loop makes, the way it makes them: each pass goes through
+:meth:`specselect.hf.ModelCache.forward` (static KV cache, 4D mask, explicit positions) as a
+*stage* of a :class:`specselect.hf.graphs.StageRunner`, eagerly or captured in a CUDA graph and
+replayed. For every context length and batch size of the grid it times
+
+* one draft pass: one token per row, logits of the last column only (as the drafter runs);
+* one verification pass per width ``W``: ``W`` tokens per row, all logits (as the verify stage
+  runs; in the loop ``W = k + 1``, the pending token and ``k`` drafts).
+
+Each pass writes the same cache columns again and again (the write position is rewound between
+calls), over a cache whose first ``context`` columns per row count as tokens of the sequence:
+they hold zeros instead of real keys and values, which costs the same. Every timing is
+synchronised with the device. The first calls of a shape are warm-up (graph mode captures
+there); then every shape of a context is timed once per round, ``repeats`` rounds, so that a
+slow spell of a shared machine slows every shape a little rather than one shape a lot. A
+shape's sample is the median of its calls, or their minimum
+(:data:`~specselect.cost.STATISTICS`). The verification, selection and bookkeeping around the
+passes are not timed: next to a model's forward they are small, and they do not depend on the
+model.
+
+:func:`plot_cost_model` draws the samples against the fitted model (matplotlib, optional);
+:func:`format_cost_model` summarises a model in a few lines.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specselect._checks import check_int
+from specselect.cost import STATISTICS, CostModel, CostSample, CostSource, PassCost
+
+if TYPE_CHECKING:
+    from specselect.hf.compat import ModelHandle
+    from specselect.hf.graphs import Mode, StageRunner
+    from specselect.hf.kv import ModelCache
+
+__all__ = ["check_grid", "format_cost_model", "measure_samples", "plot_cost_model"]
+
+
+def measure_samples(
+    target: torch.nn.Module,
+    draft: torch.nn.Module | None,
+    *,
+    device: str | torch.device | None,
+    dtype: torch.dtype | None,
+    batch_sizes: Sequence[int],
+    widths: Sequence[int],
+    contexts: Sequence[int],
+    cuda_graphs: bool | None,
+    repeats: int,
+    warmup: int,
+    statistic: str,
+    progress: bool,
+    note: str,
+) -> tuple[list[CostSample], CostSource]:
+    """The timings behind :meth:`CostModel.measure <specselect.cost.CostModel.measure>` (which
+    documents the arguments), and what they were measured on."""
+    from specselect.hf.compat import ModelHandle, check_context_fits
+    from specselect.hf.generate import graph_mode
+    from specselect.replay.traces import describe_model, package_versions
+
+    batches, width_grid, context_grid = check_grid(batch_sizes, widths, contexts)
+    repeats = check_int("repeats", repeats, minimum=1)
+    warmup = check_int("warmup", warmup, minimum=1)
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
+    if not isinstance(note, str):
+        raise TypeError(f"note must be a str, got {type(note).__name__}")
+    models = {"target": target} if draft is None else {"target": target, "draft": draft}
+    for name, model in models.items():
+        ModelHandle.of(name, model)  # the checks, before anything moves
+        _move(model, device, dtype)
+    handles = {name: ModelHandle.of(name, model) for name, model in models.items()}
+    longest = max(context_grid) + max(width_grid)
+    for name, model in models.items():
+        check_context_fits(name, model, longest)
+    mode = graph_mode(cuda_graphs, handles["target"], handles.get("draft"), ())
+    vocab = min(h.vocab for h in handles.values())
+    load_before = _load_average()
+    shapes = len(batches) * (len(width_grid) + ("draft" in handles))
+    from tqdm.auto import tqdm
+
+    samples: list[CostSample] = []
+    total = len(context_grid) * shapes * (warmup + repeats)
+    with (
+        torch.no_grad(),
+        tqdm(total=total, desc="profiling", unit="pass", disable=not progress) as bar,
+    ):
+        for context in context_grid:  # one context's caches at a time
+            passes = _passes(handles, batches, width_grid, context, vocab, mode)
+            samples += _time_round_robin(passes, repeats, warmup, bar.update, statistic)
+    source = CostSource(
+        hardware=_hardware(handles["target"].device),
+        dtype=str(handles["target"].dtype).replace("torch.", ""),
+        mode=mode,
+        versions=package_versions(),
+        models={name: describe_model(model) for name, model in models.items()},
+        grid={
+            "batch_sizes": batches,
+            "widths": width_grid,
+            "contexts": context_grid,
+            "repeats": repeats,
+            "warmup": warmup,
+            "statistic": statistic,
+        },
+        details={
+            "device": str(handles["target"].device),
+            "threads": torch.get_num_threads(),
+            "load_average_before": load_before,
+            "load_average_after": _load_average(),
+            "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"
+            ),
+        },
+        note=note,
+    )
+    return samples, source
+
+
+class _Pass:
+    """One pass shape to time: its inputs and its stage over a shared cache.
+
+    Passes of one model, batch size and context share a cache and a stage runner (whose
+    captures refer to that cache); each writes the same columns, from ``context`` on, at every
+    call.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        cache: ModelCache,
+        runner: StageRunner,
+        width: int,
+        context: int,
+        vocab: int,
+    ) -> None:
+        self.kind, self.cache, self.runner = kind, cache, runner
+        self.batch, self.width, self.context = cache.slots, width, context
+        self.device = cache.pos.device
+        generator = torch.Generator().manual_seed(self.batch * 1009 + width * 17 + context)
+        ids = torch.randint(vocab, (self.batch, width), generator=generator)  # [B, W]
+        self.ids = ids.to(self.device)  # [B, W] int64
+        self.valid = torch.ones(self.batch, width, dtype=torch.bool, device=self.device)  # [B, W]
+        self.seconds: list[float] = []
+
+    def stage(self) -> None:
+        """The pass, as the loop runs it: the drafter needs the last column's logits only."""
+        self.cache.forward(self.ids, self.valid, last_only=self.kind == "draft")
+
+    def time_once(self) -> float:
+        """Seconds of one synchronised call through the stage runner."""
+        self.cache.pos.fill_(self.context)
+        _synchronize(self.device)
+        start = time.perf_counter()
+        self.runner((self.kind, self.width), self.stage)
+        _synchronize(self.device)
+        return time.perf_counter() - start
+
+    def sample(self, statistic: str) -> CostSample:
+        """The timed calls' median or minimum; a draft sample is one pass, a verification
+        sample one pass over ``batch * width`` tokens."""
+        tokens = 1 if self.kind == "draft" else self.batch * self.width
+        seconds = statistics.median(self.seconds) if statistic == "median" else min(self.seconds)
+        return CostSample(self.kind, self.batch, tokens, float(self.context), seconds)
+
+
+def _cache_for(
+    handle: ModelHandle, batch: int, context: int, widths: Sequence[int], mode: Mode
+) -> tuple[ModelCache, StageRunner]:
+    """A static cache of ``batch`` rows whose first ``context`` columns count as cached tokens
+    (zeros: they cost what real keys and values cost), room for the widest pass, and a stage
+    runner for it. One eager pass allocates its buffers, as the loop's prefill does: never
+    inside a stage."""
+    from specselect.hf.graphs import StageRunner
+    from specselect.hf.kv import ModelCache
+
+    cache = ModelCache(handle, slots=batch, capacity=context + max(widths))
+    cache.valid[:, :context] = True
+    cache.count.fill_(context)
+    cache.mark.fill_(context)
+    cache.pos.fill_(context)
+    ids = torch.zeros(batch, 1, dtype=torch.int64, device=handle.device)  # [B, 1]
+    cache.forward(ids, torch.ones_like(ids, dtype=torch.bool), last_only=True)
+    return cache, StageRunner(mode)
+
+
+def _passes(
+    handles: dict[str, ModelHandle],
+    batches: Sequence[int],
+    widths: Sequence[int],
+    context: int,
+    vocab: int,
+    mode: Mode,
+) -> list[_Pass]:
+    """Every pass shape at one context: per batch size, the draft's pass (if there is a draft)
+    and the target's pass at each width, over one cache per model and batch size."""
+    kinds = [("draft", "draft", [1]), ("verify", "target", list(widths))]
+    passes = []
+    for batch in batches:
+        for kind, name, pass_widths in kinds:
+            if name not in handles:
+                continue
+            cache, runner = _cache_for(handles[name], batch, context, pass_widths, mode)
+            passes += [_Pass(kind, cache, runner, w, context, vocab) for w in pass_widths]
+    return passes
+
+
+def _time_round_robin(
+    passes: list[_Pass],
+    repeats: int,
+    warmup: int,
+    done: Callable[[int], object],
+    statistic: str,
+) -> list[CostSample]:
+    """Warm every pass up, then time ``repeats`` rounds over all of them; one sample each.
+
+    Round-robin rather than one shape after another: a slow spell of a shared machine then
+    slows every shape a little instead of one shape a lot, and the medians stay comparable.
+    ``done(n)`` is told of every ``n`` calls made (a progress bar).
+    """
+    for shape in passes:
+        for _ in range(warmup):
+            shape.time_once()
+        done(warmup)
+    for _ in range(repeats):
+        for shape in passes:
+            shape.seconds.append(shape.time_once())
+        done(len(passes))
+    return [p.sample(statistic) for p in passes]
+
+
+def check_grid(
+    batch_sizes: object, widths: object, contexts: object
+) -> tuple[list[int], list[int], list[int]]:
+    """The grid of :func:`measure`, sorted, or the error it would raise (before any timing)."""
+    return (
+        _grid("batch_sizes", batch_sizes, minimum=1, at_least=2),
+        _grid("widths", widths, minimum=1, at_least=2),
+        _grid("contexts", contexts, minimum=0, at_least=1),
+    )
+
+
+def _grid(name: str, values: object, *, minimum: int, at_least: int) -> list[int]:
+    """A grid as a list of distinct ints >= ``minimum``, at least ``at_least`` of them."""
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    grid = [check_int(f"{name}[{i}]", v, minimum=minimum) for i, v in enumerate(values)]
+    if len(set(grid)) != len(grid):
+        raise ValueError(f"{name} holds duplicates: {grid}")
+    if len(grid) < at_least:
+        why = {
+            "batch_sizes": "the fit separates a per-row cost from the fixed one",
+            "widths": "the fit separates a per-token cost from a per-row one",
+        }.get(name, "nothing to measure otherwise")
+        raise ValueError(
+            f"{name} must hold at least {at_least} value(s) ({why}), got {len(grid)}: {grid}"
+        )
+    return sorted(grid)
+
+
+def _move(model: torch.nn.Module, device: str | torch.device | None, dtype: object) -> None:
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    if device is not None:
+        model.to(torch.device(device))
+    if dtype is not None:
+        model.to(dtype)
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a timing must include it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _load_average() -> list[float] | None:
+    """The 1-, 5- and 15-minute load averages (a busy machine times slower), where known."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type != "cpu":
+        return device.type
+    threads = torch.get_num_threads()
+    return f"CPU {_cpu_name()}, {threads} thread{'s' if threads != 1 else ''}"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+# ---------------------------------------------------------------------------- plot
+
+
+def plot_cost_model(model: CostModel, path: str | Path) -> Path:
+    """Measured against fitted times: draft seconds per pass against the batch size, and
+    verification seconds against the tokens in the pass (one series per width), one line style
+    per context length. Needs matplotlib and a model with samples.
+
+    Raises:
+        ValueError: the model has no samples to show.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not model.samples:
+        raise ValueError("the cost model has no samples to plot (it was not measured or fitted)")
+    kinds = [k for k in ("draft", "verify") if any(s.kind == k for s in model.samples)]
+    fig = Figure(figsize=(5.2 * len(kinds) + 0.6, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(kinds), squeeze=False)[0]
+    for ax, kind in zip(axes, kinds, strict=True):
+        _plot_kind(ax, model, kind)
+    title = model.describe()
+    errors = model.relative_errors()
+    fig.suptitle(
+        f"{title}\npoints: measured, lines: fitted (max relative error {max(errors):.1%})",
+        fontsize=10,
+    )
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def _plot_kind(ax: Any, model: CostModel, kind: str) -> None:
+    samples = [s for s in model.samples if s.kind == kind]
+    contexts = sorted({s.context for s in samples})
+    styles = ["-", "--", ":", "-."]
+    series: dict[tuple[float, int], list[CostSample]] = {}
+    for s in samples:
+        per_row = s.tokens // s.batch if kind == "verify" else 1
+        series.setdefault((s.context, per_row), []).append(s)
+    for index, ((context, per_row), points) in enumerate(sorted(series.items())):
+        points.sort(key=lambda s: s.batch)
+        xs = [s.batch if kind == "draft" else s.tokens for s in points]
+        per_pass = [s.tokens if kind == "draft" else 1 for s in points]
+        measured = [s.seconds / n * 1e3 for s, n in zip(points, per_pass, strict=True)]
+        fitted = [model.predict(s) / n * 1e3 for s, n in zip(points, per_pass, strict=True)]
+        label = f"W={per_row}" if kind == "verify" else "draft"
+        if len(contexts) > 1:
+            label += f", context {context:g}"
+        color = f"C{index % 10}"
+        ax.plot(xs, measured, "o", color=color, label=label)
+        ax.plot(xs, fitted, styles[contexts.index(context) % 4], color=color)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows in the pass" if kind == "draft" else "tokens in the pass")
+    ax.set_ylabel("ms per pass")
+    ax.set_title("draft pass (1 token per row)" if kind == "draft" else "verification pass")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+# ---------------------------------------------------------------------------- text
+
+
+def format_cost_model(model: CostModel) -> str:
+    """A few lines for a terminal: what the model is, its passes in ms, and its fit error."""
+    lines = [f"cost model: {model.describe()}"]
+    if model.source is not None and model.source.note:
+        lines.append(f"note: {model.source.note}")
+    for name, cost in (("draft pass", model.draft), ("verify pass", model.verify)):
+        if cost is not None:
+            lines.append(
+                f"{name}: {_pass_text(cost, 'rows' if name == 'draft pass' else 'tokens')}"
+            )
+    errors = sorted(model.relative_errors())
+    if errors:
+        lines.append(
+            f"fit: relative error median {statistics.median(errors):.1%}, max {errors[-1]:.1%} "
+            f"over {len(errors)} samples"
+        )
+    return "\n".join(lines)
+
+
+def _pass_text(cost: PassCost, size: str) -> str:
+    """``fixed + terms`` in ms, and the knee, e.g. ``2.91 ms + 0.11 ms/row; knee at 16 rows``."""
+    terms = [f"{cost.fixed * 1e3:.3g} ms"]
+    units = {
+        "per_row": "row",
+        "per_token": "token",
+        "per_row_context": "row x context token",
+        "per_token_context": "token x context token",
+    }
+    terms += [
+        f"{getattr(cost, name) * 1e3:.3g} ms/{unit}"
+        for name, unit in units.items()
+        if getattr(cost, name)
+    ]
+    text = " + ".join(terms)
+    if cost.beyond_knee:
+        text += (
+            f"; knee at {cost.knee:g} {size}, then +{cost.beyond_knee * 1e3:.3g} ms per one more"
+        )
+    return text
