@@ -31,10 +31,12 @@ from specselect.hf import (
     DraftChain,
     ModelCache,
     SamplingParams,
+    TreeSpec,
     speculative_generate,
 )
 from specselect.hf.compat import ModelHandle
 from specselect.selectors import SELECTORS
+from specselect.selectors.fixed import FixedWindowSelector
 
 NOISE = {"llama": 0.02, "gpt2": 0.04}
 SEEDS = (0, 1)
@@ -382,6 +384,45 @@ def test_long_run_compacts_within_capacity(arch: str) -> None:
     written = sum(int(v.max()) + 1 for v in stats.verified_per_step)
     assert ids.shape[1] + written > capacity  # without compaction it would have overflowed
     assert stats.compactions >= 3
+
+
+class StallingSelector(FixedWindowSelector):
+    """Drafts ``k`` tokens for the first ``steps`` steps, then nothing (as DSD does when the
+    draft stops being accepted)."""
+
+    def __init__(self, k: int, steps: int) -> None:
+        super().__init__(k)
+        self.steps = steps
+        self.calls = 0
+
+    def draft_length(self, num_active: int) -> int:
+        self.calls += 1
+        return self.k if self.calls <= self.steps else 0
+
+
+@pytest.mark.parametrize(
+    ("k", "steps", "tree"), [(6, 4, None), (10, 3, None), (8, 5, TreeSpec(8, 1, 1))]
+)
+def test_a_full_draft_backlog_is_absorbed_within_capacity(
+    k: int, steps: int, tree: TreeSpec | None
+) -> None:
+    """Steps that draft nothing let the draft's backlog grow until it is absorbed in a pass of
+    its own (MAX_BACKLOG columns): the step plans those columns, compacting first when the
+    draft's cache lacks them, instead of failing. Long drafts first fill the cache with holes."""
+    target, draft, ids, mask, _, _ = case("llama", 0)
+    kwargs = {"max_new_tokens": MAX_NEW, "eos_token_id": [], "pad_token_id": PAD_ID}
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=StallingSelector(k, steps),
+        tree=tree,
+        cache_slack=0,
+        **kwargs,
+    )
+    reference = target.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
+    assert torch.equal(out.sequences, reference)
 
 
 @pytest.mark.parametrize(

@@ -14,15 +14,18 @@ an EOS id that stops about half of the rows mid-run, and ``generate()``'s greedy
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
 
-from hf_models import PAD_ID, left_padded_prompts, tiny_pair
+import specselect.hf.generate as hf_generate
+from hf_models import EOS_ID, PAD_ID, left_padded_prompts, tiny_pair
 from specselect import make_selector
 from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, speculative_generate
-from specselect.hf.compat import graph_obstacle
-from specselect.hf.generate import HOST_READS_PER_STEP, release_workspace
+from specselect.hf.compat import ModelHandle, graph_obstacle
+from specselect.hf.generate import HOST_READS_PER_STEP, graph_mode, release_workspace
 from specselect.hf.graphs import StageRunner
 from test_generate_greedy import MAX_NEW, NOISE, VOCAB, case
 
@@ -77,6 +80,112 @@ def test_emulated_graphs_match_generate(arch: str, config: str, rows: int) -> No
     assert first.stats.captures > 0
     assert second.stats.captures < first.stats.captures
     assert min(first.stats.generated.tolist()) < MAX_NEW  # a row retired early
+
+
+@pytest.mark.parametrize("config", ["plain", "fixed"])
+def test_emulated_graphs_with_one_token_prompts(config: str) -> None:
+    """One-token prompts leave nothing to prefill, so the caches' buffers are allocated by the
+    first pass inside a stage: they must outlive it (a trace that allocated them would replay
+    into fresh buffers, losing every step's keys, or those of the first steps of a second
+    call, which here has other prompts)."""
+    target, draft, ids, mask, _, _ = case("llama", 0)
+    ids, mask = ids[:, -1:], mask[:, -1:]
+    release_workspace(target)
+    for rows in (slice(0, 3), slice(3, 6)):
+        reference = target.generate(
+            ids[rows],
+            attention_mask=mask[rows],
+            do_sample=False,
+            max_new_tokens=12,
+            eos_token_id=[],
+        )
+        with emulate_on_cpu():
+            out = run(
+                target,
+                draft,
+                ids[rows],
+                mask[rows],
+                config,
+                [],
+                max_new_tokens=12,
+                cuda_graphs=True,
+            )
+        assert torch.equal(out.sequences, reference)
+    release_workspace(target)
+
+
+def test_a_kept_workspace_captures_selection_per_batch_size() -> None:
+    """Captured selection maps slots to the caller's rows, whose number is baked into the
+    graph: a kept workspace serving a call of another batch size must not replay it. Here the
+    size-2 bucket is first captured by a 2-row call and then reached by a 4-row call whose rows
+    2 and 3 outlive rows 0 and 1 (EOS): a replay of the 2-row graph would index row 3 out of
+    bounds (or, with other rows, select for the wrong ones). Selection must equal eager mode's.
+    """
+    target, draft, ids, mask, eos, reference = case("llama", 0)
+    new = 24  # rows 1 and 4 stop at EOS after 9 and 6 tokens, rows 0 and 2 run to the end
+    calls = ([0, 0, 0, 0], [0, 2], [1, 4, 0, 2])  # 4 equal rows never shrink to 2 slots
+    release_workspace(target)
+    with emulate_on_cpu():
+        outs = [
+            run(
+                target,
+                draft,
+                ids[rows],
+                mask[rows],
+                "fixed",
+                eos,
+                cuda_graphs=True,
+                max_new_tokens=new,
+            )
+            for rows in calls
+        ]
+    rows = calls[-1]
+    eager = run(target, draft, ids[rows], mask[rows], "fixed", eos, max_new_tokens=new)
+    release_workspace(target)
+    for rows, out in zip(calls, outs, strict=True):
+        assert torch.equal(out.sequences, reference[rows, : ids.shape[1] + new])
+    assert outs[-1].stats.captures < outs[0].stats.captures  # the workspace was kept
+    assert torch.equal(outs[-1].stats.verified, eager.stats.verified)
+
+
+def test_an_eager_call_leaves_the_kept_workspace() -> None:
+    """Eager calls keep nothing and drop nothing: graph mode's next call still replays."""
+    target, draft, ids, mask, eos, reference = case("gpt2", 0)
+    release_workspace(target)
+    with emulate_on_cpu():
+        first = run(target, draft, ids[:3], mask[:3], "plain", eos, cuda_graphs=True)
+        eager = run(target, draft, ids[:3], mask[:3], "plain", eos, cuda_graphs=False)
+        again = run(target, draft, ids[:3], mask[:3], "plain", eos, cuda_graphs=True)
+    release_workspace(target)
+    for out in (first, eager, again):
+        assert torch.equal(out.sequences, reference[:3])
+    assert first.stats.captures > 0 and again.stats.captures == 0
+
+
+def test_greedy_trees_keep_no_draft_distributions() -> None:
+    """Only sampling needs the draft's distributions (``[slots, nodes + 1, vocab]`` per tree
+    shape, hundreds of MB at a real vocabulary): greedy tree steps allocate no buffer for them."""
+    target, draft, ids, mask, eos, reference = case("llama", 0)
+    release_workspace(target)
+    with emulate_on_cpu():
+        out = run(target, draft, ids[:3], mask[:3], "paper-tree", eos, cuda_graphs=True)
+    names = hf_generate._WORKSPACES[target].state.io.names()
+    release_workspace(target)
+    assert torch.equal(out.sequences, reference[:3])
+    assert "tree_tokens" in names and "tree_probs" not in names
+
+
+def test_a_kept_workspace_does_not_keep_the_models_alive() -> None:
+    """The workspace kept on the target must let both models be freed (it is dropped with the
+    target), as in eager mode: it holds them weakly."""
+    target, draft = tiny_pair("llama", 0, noise=NOISE["llama"])
+    ids, mask = left_padded_prompts(2, 2, 6, VOCAB, 0)
+    with emulate_on_cpu():
+        run(target, draft, ids, mask, "fixed", [], cuda_graphs=True, max_new_tokens=4)
+    models = [weakref.ref(target), weakref.ref(draft)]
+    del target, draft
+    gc.collect()
+    assert [model() for model in models] == [None, None]
 
 
 @pytest.mark.parametrize(
@@ -155,22 +264,45 @@ def test_plain_decoding_matches_generate(arch: str) -> None:
     assert totals.verified == 0 and totals.tokens_per_step == 1.0
 
 
-def count_reads(max_new_tokens: int, config: str) -> tuple[int, int]:
+def test_time_split_covers_the_whole_step() -> None:
+    """The phases of a step (planning and compaction, draft, select, verify, the read-back's
+    bookkeeping) are each timed and together make up the steps' time."""
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    stats = run(target, draft, ids, mask, "tetris", eos, max_new_tokens=12).stats
+    phases = [stats.draft_seconds, stats.select_seconds, stats.verify_seconds, stats.other_seconds]
+    assert min(phases) > 0
+    steps = sum(step.seconds for step in stats.steps)
+    assert 0.9 * steps <= sum(phases) <= steps + 0.1
+
+
+#: More EOS ids than torch.isin compares one by one: it would sort and deduplicate them, which
+#: on a GPU reads the unique count back (a sync). One id repeated, which these runs never
+#: produce, so that the rows run to their length.
+MANY_EOS = (EOS_ID,) * 32
+
+
+def count_reads(max_new_tokens: int, config: str, eos: tuple[int, ...]) -> tuple[int, int]:
     """(host reads, steps) of one eager generation on the CPU."""
     target, draft = tiny_pair("llama", 0, noise=NOISE["llama"])
     ids, mask = left_padded_prompts(4, 2, 8, VOCAB, 0)
     with HostReads() as reads:
-        out = run(target, draft, ids, mask, config, [], max_new_tokens=max_new_tokens)
+        out = run(target, draft, ids, mask, config, list(eos), max_new_tokens=max_new_tokens)
     return reads.count, out.stats.totals.steps
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_one_host_read_per_step(config: str) -> None:
+@pytest.mark.parametrize(
+    ("config", "eos"),
+    [(config, ()) for config in sorted(CONFIGS)]
+    + [(config, MANY_EOS) for config in ("fixed", "tetris-tree", "plain")],
+    ids=lambda value: f"{len(value)}-eos" if isinstance(value, tuple) else value,
+)
+def test_one_host_read_per_step(config: str, eos: tuple[int, ...]) -> None:
     """Every extra step costs exactly HOST_READS_PER_STEP host reads (.item(), .tolist(),
-    int()/bool() of a tensor, data-dependent shapes): the documented read-back, nothing more.
-    Two runs of different lengths separate the per-step reads from the one-off setup reads."""
-    short_reads, short_steps = count_reads(6, config)
-    long_reads, long_steps = count_reads(30, config)
+    int()/bool() of a tensor, data-dependent shapes): the documented read-back, nothing more,
+    also with many EOS ids. Two runs of different lengths separate the per-step reads from the
+    one-off setup reads."""
+    short_reads, short_steps = count_reads(6, config, eos)
+    long_reads, long_steps = count_reads(30, config, eos)
     assert long_steps > short_steps
     per_step = (long_reads - short_reads) / (long_steps - short_steps)
     assert per_step == HOST_READS_PER_STEP == 1
@@ -270,6 +402,23 @@ def test_a_failed_capture_falls_back_to_eager_mode_unless_required(fall_back: bo
             runner("key", lambda: runs.append(1))
         runner("key", lambda: runs.append(2))
     assert runs == [1, 2] and runner.mode == "eager" and runner.captures == 0
+
+
+def test_graph_mode_needs_both_models_on_one_device() -> None:
+    """A CUDA graph records one device's stream: a draft on another GPU than the target would
+    run outside the capture (twice: for real, then again while capturing) and not be replayed.
+    Devices are faked (no GPU needed): each model alone passes the per-model checks."""
+    model = torch.nn.Linear(2, 2)
+    target, draft = (
+        ModelHandle(model, torch.device(name), 8, "sdpa", torch.float32, True, 1)
+        for name in ("cuda:0", "cuda:1")
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hf_generate, "graph_obstacle", lambda model, name: None)
+        assert graph_mode(True, target, target, [None]) == "cuda"
+        assert graph_mode(None, target, draft, [None]) == "eager"
+        with pytest.raises(ValueError, match=r"target sits on cuda:0 and draft on cuda:1"):
+            graph_mode(True, target, draft, [None])
 
 
 def test_graph_obstacles_name_the_reason() -> None:

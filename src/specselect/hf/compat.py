@@ -22,9 +22,10 @@ Every failure is a ``ValueError``/``TypeError`` raised before any forward pass.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Sized
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, fields, replace
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -264,6 +265,15 @@ class ModelHandle:
             keeps_logits=supports_logits_to_keep(module),
             num_layers=num_layers(module),
         )
+
+    def weak(self) -> ModelHandle:
+        """This handle with a weak proxy of the model, for state that outlives a call (graph
+        mode keeps its caches and graphs on the target): it must not keep the models alive."""
+        return replace(self, model=cast(nn.Module, weakref.proxy(self.model)))
+
+    def facts(self) -> tuple[object, ...]:
+        """Everything but the model itself: what buffers allocated for the model depend on."""
+        return tuple(getattr(self, f.name) for f in fields(self) if f.name != "model")
 
 
 def num_layers(model: nn.Module) -> int:

@@ -158,8 +158,11 @@ class ChainDrafter:
         self.width = 1
 
     def footprint(self, k: int) -> int:
-        """Cache columns a step drafting ``k`` tokens writes (the backlog, then ``k - 1``)."""
-        return self.width + k - 1 if k else 0
+        """Cache columns a step drafting ``k`` tokens writes: the backlog, then ``k - 1``; a
+        step drafting nothing writes only a full backlog (:meth:`absorb`)."""
+        if k:
+            return self.width + k - 1
+        return self.width if self.must_absorb(0) else 0
 
     def must_absorb(self, k: int) -> bool:
         """Whether a step drafting ``k`` tokens must first absorb a full backlog."""
@@ -167,8 +170,8 @@ class ChainDrafter:
 
     def absorb(self, rows: int) -> None:
         """Feed the whole backlog to the draft (a step that drafts nothing, when the backlog is
-        full); the next pending token starts a new backlog. Eager, and rare."""
-        self.cache.reserve(self.width)
+        full; the caller has reserved its :meth:`footprint`); the next pending token starts a
+        new backlog. Eager, and rare."""
         valid = self.backlog_valid[:rows, : self.width]
         tokens = self._embeddable(self.backlog[:rows, : self.width])
         self.cache.forward(tokens, valid, last_only=True)

@@ -59,7 +59,7 @@ from specselect.hf.draft import ChainDrafter
 from specselect.hf.graphs import Mode, StageRunner, bucket_for, emulating_on_cpu
 from specselect.hf.options import UNSET, GenerationOptions, resolve_options
 from specselect.hf.state import GenerationState, GenerationStats, Layout, PhaseClock
-from specselect.hf.steps import ChainStep, Step, TreeStep
+from specselect.hf.steps import PHASES, ChainStep, Step, TreeStep
 from specselect.hf.tree_draft import TreeDrafter
 from specselect.metrics import Totals
 from specselect.sampling import check_generator
@@ -146,7 +146,7 @@ def speculative_generate(
             most ``selector.draft_length()`` deep; the selector must support trees
             (``supports_trees``), and its budget counts tree nodes (the root excluded).
         cuda_graphs: capture the draft and verify passes in CUDA graphs and replay them.
-            ``None`` (default): when both models sit on one CUDA device each (if a capture fails,
+            ``None`` (default): when both models sit on the same CUDA device (if a capture fails,
             a warning says why and the call goes on eagerly); ``True``: required (raises, saying
             why, where impossible); ``False``: eager.
 
@@ -229,6 +229,9 @@ def graph_mode(
         return "trace"
     handles = [("target", target)] + ([("draft", draft)] if draft is not None else [])
     reasons = [graph_obstacle(h.model, name) for name, h in handles]
+    if draft is not None and draft.device != target.device:
+        # A graph records the stream of one device: the other model would run outside it.
+        reasons.append(f"target sits on {target.device} and draft on {draft.device}")
     reason = next((r for r in reasons if r is not None), None)
     user_generator = any(g is not None for g in generators)
     if reason is None and user_generator and not hasattr(torch.cuda.CUDAGraph, _REGISTER):
@@ -357,7 +360,7 @@ def release_workspace(target: torch.nn.Module) -> None:
 
     ``speculative_generate(..., cuda_graphs=...)`` keeps them so that the next call of a
     compatible shape replays its graphs instead of capturing them again; they are also freed
-    when ``target`` is, or replaced by an incompatible call.
+    when ``target`` is, or replaced by an incompatible graph-mode call (eager calls leave them).
     """
     _WORKSPACES.pop(target, None)
 
@@ -386,7 +389,7 @@ class _Loop:
         state, runner = self._workspace(input_ids)
         captured = runner.captures
         state.start(self.options, input_ids.shape[0])
-        clock = PhaseClock(self.target.device, phases=3)
+        clock = PhaseClock(self.target.device, phases=len(PHASES))
         generator = self.generators[self.target.device]
         args = (state, runner, self.selector, self.options.sampling, generator, clock)
         step = ChainStep(*args) if self.tree is None else TreeStep(*args, tree=self.tree)
@@ -396,27 +399,23 @@ class _Loop:
             state.stats.prefill_seconds = time.perf_counter() - start
             self._steps(state, step, progress)
         stats = state.stats
-        stats.draft_seconds, stats.select_seconds, stats.verify_seconds = clock.totals()
+        seconds = dict(zip(PHASES, clock.totals(), strict=True))
+        stats.draft_seconds, stats.select_seconds = seconds["draft"], seconds["select"]
+        stats.verify_seconds = seconds["verify"]
+        stats.other_seconds = seconds["prepare"] + seconds["finish"]
         stats.captures, stats.mode = runner.captures - captured, runner.mode
         return SpeculativeOutput(state.result(input_ids), stats)
 
     def _workspace(self, input_ids: Tensor) -> tuple[GenerationState, StageRunner]:
         """The state (caches sized for the whole call) and the stage runner: the target's kept
         workspace when it serves this call (graph mode), else new ones."""
-        batch, prompt = input_ids.shape
         graphs = self.mode != "eager"
-        capacity = prompt + self.options.max_new_tokens + self.slack
-        if self.tree is not None:  # a step's tree must fit beside a full row
-            capacity += self.tree.num_nodes + self.tree.fed_nodes() + 2
-        layout = Layout(
-            slots=max(bucket_for(batch, graphs), 1),
-            capacity=capacity,
-            batch=batch,
-            max_new_tokens=self.options.max_new_tokens,
-            eos=len(self.options.eos_token_ids),
-        )
+        batch, prompt = input_ids.shape
+        layout = self._layout(batch, prompt, graphs)
         key = (
             self.mode,
+            self.target.facts(),
+            None if self.draft is None else self.draft.facts(),
             self.tree,
             self.options.sampling,
             *(id(g) for g in self.generators.values()),
@@ -432,20 +431,36 @@ class _Loop:
         ):
             kept.runner.fall_back = self.fall_back
             return kept.state, kept.runner
-        _WORKSPACES.pop(self.target.model, None)  # free the old buffers before allocating
-        state = GenerationState(self.target, self._drafter(layout), layout, graphs)
+        if graphs:  # replaced: free the old buffers before allocating (eager mode keeps it)
+            _WORKSPACES.pop(self.target.model, None)
+        # The state holds the models weakly: a kept workspace must not keep them alive.
+        state = GenerationState(self.target.weak(), self._drafter(layout), layout, graphs)
         runner = StageRunner(self.mode, list(self.generators.values()), fall_back=self.fall_back)
         if graphs:
             draft_ref = None if draft is None else weakref.ref(draft)
             _WORKSPACES[self.target.model] = _Workspace(key, draft_ref, state, runner)
         return state, runner
 
+    def _layout(self, batch: int, prompt: int, graphs: bool) -> Layout:
+        """What this call needs allocated: slots for its bucket, cache columns for the longest
+        row plus the slack (and a step's tree)."""
+        capacity = prompt + self.options.max_new_tokens + self.slack
+        if self.tree is not None:  # a step's tree must fit beside a full row
+            capacity += self.tree.num_nodes + self.tree.fed_nodes() + 2
+        return Layout(
+            slots=max(bucket_for(batch, graphs), 1),
+            capacity=capacity,
+            batch=batch,
+            max_new_tokens=self.options.max_new_tokens,
+            eos=len(self.options.eos_token_ids),
+        )
+
     def _drafter(self, layout: Layout) -> ChainDrafter | None:
         if self.draft is None:
             return None
         generator = self.generators[self.draft.device]
         vocab, params = self.target.vocab, self.options.sampling
-        args = (self.draft, layout.slots, layout.capacity, vocab, params, generator)
+        args = (self.draft.weak(), layout.slots, layout.capacity, vocab, params, generator)
         static = self.mode != "eager"
         if self.tree is None:
             return ChainDrafter(*args, static_span=static)

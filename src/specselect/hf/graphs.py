@@ -194,8 +194,9 @@ class HostReads(TorchDispatchMode):
     """Count (or forbid) host reads of tensor data while active.
 
     Counted: ops that read device values on the host or have data-dependent output shapes (see
-    ``_READ_OPS``, and boolean-mask indexing), plus ``Tensor.tolist`` and ``Tensor.numpy``,
-    which bypass the dispatcher. ``reads`` lists what was read, in order.
+    ``_READ_OPS``, boolean-mask indexing, and ``torch.isin`` with many test elements, which
+    deduplicates them inside its kernel), plus ``Tensor.tolist`` and ``Tensor.numpy``, which
+    bypass the dispatcher. ``reads`` lists what was read, in order.
 
     Args:
         forbid: raise ``RuntimeError`` at the first read instead of counting it.
@@ -246,7 +247,11 @@ class HostReads(TorchDispatchMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
     ) -> Any:
         name = func._schema.name
-        if name in _READ_OPS or (name in _INDEX_OPS and _has_bool_index(args)):
+        if (
+            name in _READ_OPS
+            or (name in _INDEX_OPS and _has_bool_index(args))
+            or (name == "aten::isin" and _isin_sorts(args, kwargs or {}))
+        ):
             self._read(name)
         # A 0-dim lift is a Python scalar (``x[i] = 1``), which a CUDA tensor takes as a fill.
         if self.forbid_host_tensors and name == "aten::lift_fresh" and args[0].dim():
@@ -255,6 +260,17 @@ class HostReads(TorchDispatchMode):
                 "from pageable host memory; build it with device ops"
             )
         return func(*args, **(kwargs or {}))
+
+
+def _isin_sorts(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether ``torch.isin`` takes its sorting path, which deduplicates both inputs with
+    ``_unique`` (a data-dependent shape: a sync on an accelerator). ATen compares element by
+    element only while the test elements are fewer than ``10 * elements ** 0.145``."""
+    if len(args) < 2 or not all(isinstance(t, torch.Tensor) for t in args[:2]):
+        return False
+    elements, tests = args[0], args[1]
+    assume_unique = bool(args[2]) if len(args) > 2 else bool(kwargs.get("assume_unique", False))
+    return not assume_unique and tests.numel() >= int(10.0 * elements.numel() ** 0.145)
 
 
 def _has_bool_index(args: Sequence[Any]) -> bool:

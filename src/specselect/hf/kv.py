@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specselect.hf.compat import ModelHandle
@@ -59,12 +60,19 @@ class _SlotLayer(CacheLayerMixin):
         self.owner = owner
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        """Allocate ``[slots, heads, capacity, head_dim]`` on the first write (the prefill),
-        when the layer's heads, head size, dtype and device are known."""
+        """Allocate ``[slots, heads, capacity, head_dim]`` on the first write (the prefill, or
+        the first stage after a one-token prompt), when the layer's heads, head size, dtype and
+        device are known.
+
+        Allocated outside any tracing mode: the buffers must outlive the stage that first writes
+        them, not become an op of its trace (a CUDA graph never captures this call: its stages
+        run once eagerly before they are captured).
+        """
         heads = key_states.shape[1]
         shape = (self.owner.slots, heads, self.owner.capacity)
-        self.keys = key_states.new_zeros((*shape, key_states.shape[-1]))
-        self.values = value_states.new_zeros((*shape, value_states.shape[-1]))
+        with _disable_current_modes():
+            self.keys = key_states.new_zeros((*shape, key_states.shape[-1]))
+            self.values = value_states.new_zeros((*shape, value_states.shape[-1]))
         self.is_initialized = True
 
     def update(
@@ -253,8 +261,9 @@ class ModelCache:
         own cache) would otherwise decode from an empty context without an error.
         """
         if self.used and not self.kv.written():
+            name = self.handle.model.__class__.__name__  # not type(): the handle holds a proxy
             raise RuntimeError(
-                f"{type(self.handle.model).__name__} ran but did not write its keys and values "
+                f"{name} ran but did not write its keys and values "
                 "to the cache it was given: it does not append to past_key_values"
             )
 

@@ -50,13 +50,15 @@ class GenerationStats:
     token is EOS the target's extra token after it is dropped from ``sequences``, so a row's
     emitted count can exceed its real new tokens (``generated``) by one.
 
-    Time: ``draft_seconds`` (drafting), ``select_seconds`` (scores and selection),
-    ``verify_seconds`` (target pass, verification and the device bookkeeping up to the
-    read-back) and ``other_seconds`` (the host's bookkeeping after it: statistics, retiring
-    rows, compaction) are device times on a GPU (CUDA events, read once at the end) and wall
-    times on a CPU; ``prefill_seconds`` is the prompt pass. ``cache_widths`` holds the columns
-    in use in each model's cache after each step; ``compactions`` counts cache compactions and
-    ``captures`` the CUDA graphs captured (0 in eager mode).
+    Time: ``draft_seconds`` (drafting and the selector's scores), ``select_seconds``
+    (selection when it runs between the stages; graph mode replays a capturable selector's
+    with the verify pass, which then counts it), ``verify_seconds`` (target pass,
+    verification, the device bookkeeping and the selector's update) and ``other_seconds``
+    (planning and compaction before the draft, the read-back and the host's bookkeeping after
+    it: statistics, retiring rows) are device times on a GPU (CUDA events, read once at the
+    end) and wall times on a CPU; ``prefill_seconds`` is the prompt pass. ``cache_widths``
+    holds the columns in use in each model's cache after each step; ``compactions`` counts
+    cache compactions and ``captures`` the graphs captured (0 in eager mode).
     """
 
     steps: list[StepCounts] = field(default_factory=list)
@@ -115,6 +117,10 @@ class Buffers:
                 tensor = torch.zeros(shape, dtype=dtype, device=self.device)
             self._store[key] = tensor
         return tensor
+
+    def names(self) -> set[str]:
+        """The names of the buffers allocated so far (any shape)."""
+        return {name for name, _, _ in self._store}
 
 
 class PhaseClock:
@@ -274,6 +280,11 @@ class GenerationState:
         size = self.size
         return (self.max_new - self.generated[:size]) * self.active[:size]
 
+    def is_eos(self, tokens: Tensor) -> Tensor:  # [...] int64 -> [...] bool
+        """Which tokens are EOS ids, by broadcast comparison: ``torch.isin`` sorts and
+        deduplicates many ids, which reads their unique count back (a sync on a GPU)."""
+        return (tokens.unsqueeze(-1) == self.eos).any(dim=-1)
+
     def emit(
         self,
         tokens: Tensor,  # [b, W - 1] int64 the accepted-path tokens (first num_accepted count)
@@ -293,7 +304,7 @@ class GenerationState:
         count = num_accepted + 1
         hit_eos = torch.zeros_like(active)
         if self.eos.numel():
-            is_eos = torch.isin(emitted, self.eos) & (columns < count.unsqueeze(1))
+            is_eos = self.is_eos(emitted) & (columns < count.unsqueeze(1))
             hit_eos = is_eos.any(dim=1)
             first = is_eos.to(torch.int64).argmax(dim=1)
             count = torch.where(hit_eos, first + 1, count)

@@ -45,6 +45,9 @@ from specselect.tree import TreeBuffers, TreeSpec, build_tree_buffers, path_sums
 from specselect.verify import greedy_verify, rejection_verify
 from specselect.verify_tree import TreeVerdict, tree_greedy_verify, tree_rejection_verify
 
+#: The phases of a step, timed by its :class:`~specselect.hf.state.PhaseClock`.
+PHASES = ("prepare", "draft", "select", "verify", "finish")
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -53,7 +56,7 @@ class Plan:
     width: int  # draft length k (chains) or tree depth (trees); 0 = no drafting
     target_columns: int  # cache columns the verify pass writes
     draft_columns: int  # cache columns the draft stage writes
-    key: Hashable  # capture key of both stages (with the bucket size)
+    key: Hashable  # capture key of both stages (the runner adds the bucket size)
 
 
 class Step(abc.ABC):
@@ -65,7 +68,7 @@ class Step(abc.ABC):
         selector: chooses what the target verifies (``None``: plain decoding).
         params: token choice (greedy or sampling), shared by both models.
         generator: RNG on the target's device (sampling).
-        clock: per-phase timing (draft, select, verify).
+        clock: per-phase timing (:data:`PHASES`).
     """
 
     def __init__(
@@ -86,42 +89,57 @@ class Step(abc.ABC):
         self.selection: Selection | None = None  # the current step's, for update()
 
     def run(self) -> int:
-        """One step; returns the progress bar's advance (see ``GenerationState.record``)."""
-        state = self.state
-        plan = self.plan()
-        state.make_room(plan.target_columns, plan.draft_columns)
-        drafter = state.drafter
-        if isinstance(drafter, ChainDrafter) and drafter.must_absorb(plan.width):
-            drafter.absorb(state.size)
-        state.target.reserve(plan.target_columns)
-        if drafter is not None:
-            drafter.cache.reserve(plan.draft_columns)
+        """One step; returns the progress bar's advance (see ``GenerationState.record``).
+
+        The clock laps between the phases of :data:`PHASES`: preparation (plan, compaction),
+        draft, select, verify, and the host's bookkeeping after the read-back.
+        """
+        state, clock, drafter = self.state, self.clock, self.state.drafter
         start = _now()
-        self.clock.lap()
+        clock.lap()
+        plan = self._prepare()
+        clock.lap()
         if plan.width:
             self.runner(("draft", state.size, plan.key), lambda: self.draft(plan))
-        self.clock.lap()
+        clock.lap()
         capture = self._selector_capture()
         if capture is None:
             self.select(plan)
-            self.clock.lap()
+            clock.lap()
             self.runner(("verify", state.size, plan.key), lambda: self.verify(plan))
             self.update()
         else:  # selection and feedback are replayed with the verify pass
-            self.clock.lap()
+            clock.lap()
+            # The selector sees the caller's rows: their number is part of the captured code.
             self.runner(
-                ("select+verify", state.size, plan.key, capture),
+                ("select+verify", state.size, state.batch, plan.key, capture),
                 lambda: self._select_verify_update(plan),
             )
-        self.clock.lap()
+        clock.lap()
         report = state.read_back()  # the step's one host sync
         if self.selector is not None:  # the same feedback on the host: no sync of its own
             served = sorted((row, slot) for slot, row in enumerate(state.slot_rows) if row >= 0)
             slots = [slot for _, slot in served]  # the active rows' slots, in row order
             self.selector.observe([report[1][s] for s in slots], [report[2][s] for s in slots])
-        if isinstance(drafter, ChainDrafter):
+        if drafter is not None:
             drafter.advanced(plan.width)
-        return state.record(report, _now() - start)
+        advance = state.record(report, _now() - start)
+        clock.lap()
+        return advance
+
+    def _prepare(self) -> Plan:
+        """Plan the step and give it its cache columns (compacting, or absorbing a full draft
+        backlog, first when needed)."""
+        state = self.state
+        plan = self.plan()
+        state.make_room(plan.target_columns, plan.draft_columns)
+        state.target.reserve(plan.target_columns)
+        drafter = state.drafter
+        if drafter is not None:
+            drafter.cache.reserve(plan.draft_columns)
+            if drafter.must_absorb(plan.width):
+                drafter.absorb(state.size)
+        return plan
 
     def _select_verify_update(self, plan: Plan) -> None:
         """Selection, the verify stage and the selector's feedback, as one capturable stage."""
@@ -175,15 +193,6 @@ class Step(abc.ABC):
         state.pending[: state.size] = next_token
         self._io("num_accepted", (state.size,)).copy_(num_accepted)
         state.write_report(finished, verified, num_accepted, written)
-
-    def _remaining(self) -> Tensor:  # [b]
-        return self.state.remaining()
-
-    def _is_eos(self, tokens: Tensor) -> Tensor:  # [b, n] -> [b, n] bool
-        eos = self.state.eos
-        if not eos.numel():
-            return torch.zeros_like(tokens, dtype=torch.bool)
-        return torch.isin(tokens, eos)
 
     def _verify_chain(self, k: int) -> None:
         """The flat verify stage (chain steps, and tree steps without a tree).
@@ -283,8 +292,8 @@ class ChainStep(Step):
         row may emit is the target's), and every position after a drafted EOS."""
         k = scores.shape[1]
         columns = torch.arange(k, device=scores.device)
-        cut = columns.unsqueeze(0) >= (self._remaining() - 1).unsqueeze(1)
-        is_eos = self._is_eos(tokens).to(torch.int64)
+        cut = columns.unsqueeze(0) >= (self.state.remaining() - 1).unsqueeze(1)
+        is_eos = self.state.is_eos(tokens).to(torch.int64)
         cut = cut | ((is_eos.cumsum(dim=1) - is_eos) > 0)  # strictly after the first EOS
         return scores.masked_fill(cut, NEG_INF)
 
@@ -311,7 +320,7 @@ class TreeStep(Step):
         depth = min(self.tree.depth, window, state.most_remaining - 1)
         key = ("tree", depth, drafter.width)
         if depth == 0:  # no row can emit a draft token: a plain step
-            return Plan(0, 1, 0, key)
+            return Plan(0, 1, drafter.footprint(0), key)
         spec = replace(self.tree, depth=depth)
         return Plan(depth, 1 + spec.num_nodes, drafter.tree_footprint(spec), key)
 
@@ -417,13 +426,15 @@ class TreeStep(Step):
         def io(name: str, *shape: int, dtype: torch.dtype = torch.int64) -> Tensor:
             return self._io(f"tree_{name}", (size, *shape), dtype)
 
-        probs = io("probs", nodes + 1, vocab, dtype=self._probs_dtype())
+        probs = None  # only sampling verifies against the draft's distributions
+        if self.params.do_sample:
+            probs = io("probs", nodes + 1, vocab, dtype=self._probs_dtype())
         tree = DraftTree(
             tokens=io("tokens", nodes),
             logprobs=io("logprobs", nodes, dtype=torch.float32),
             parents=io("parents", nodes),
             depth=io("depth", nodes),
-            probs=probs if self.params.do_sample else None,
+            probs=probs,
             fed=io("fed", nodes, dtype=torch.bool),
             fed_ids=io("fed_ids", fed),
         )
@@ -472,10 +483,10 @@ class TreeStep(Step):
         self, tree: DraftTree, buffers: TreeBuffers, scores: Tensor
     ) -> Tensor:  # [b, N] -> [b, N]
         """``-inf`` for nodes that could not be emitted: depth >= remaining, or below an EOS."""
-        cut = tree.depth >= self._remaining().unsqueeze(1)
+        cut = tree.depth >= self.state.remaining().unsqueeze(1)
         nodes = tree.tokens.shape[1]
         eye = torch.eye(nodes, dtype=torch.bool, device=scores.device)
-        is_eos = self._is_eos(tree.tokens)  # [b, N]
+        is_eos = self.state.is_eos(tree.tokens)  # [b, N]
         cut = cut | (buffers.ancestors & ~eye & is_eos.unsqueeze(1)).any(dim=2)
         return scores.masked_fill(cut, NEG_INF)
 
@@ -496,4 +507,4 @@ def _now() -> float:
     return time.perf_counter()
 
 
-__all__ = ["ChainStep", "Plan", "Step", "TreeStep"]
+__all__ = ["PHASES", "ChainStep", "Plan", "Step", "TreeStep"]
