@@ -42,6 +42,7 @@ shares every other cost.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Sized
@@ -198,7 +199,14 @@ def speculative_generate(
         selector.reset()
     # no_grad rather than inference_mode: returned tensors stay ordinary tensors that callers may
     # modify in place, as with generate(). Value checks are off for the tensors the loop makes.
-    with torch.no_grad(), trusted_values():
+    # On a GPU the loop runs with the target's device current: its stream is where the graphs
+    # are captured and where the read-back's event is recorded.
+    current = (
+        torch.cuda.device(t_handle.device)
+        if t_handle.device.type == "cuda"
+        else contextlib.nullcontext()
+    )
+    with torch.no_grad(), trusted_values(), current:
         loop = _Loop(
             t_handle,
             d_handle,

@@ -220,8 +220,10 @@ class GenerationState:
         self.active = torch.zeros(slots, dtype=torch.bool, device=device)
         self.generated = torch.zeros(slots, dtype=torch.int64, device=device)
         self.pending = torch.zeros(slots, dtype=torch.int64, device=device)
+        # Flat, so that the [6, size] view of any bucket is contiguous: a copy into a strided
+        # pinned view would go through a pageable temporary and lose its asynchrony.
         self.report_host = (
-            torch.zeros(REPORT_ROWS, slots, dtype=torch.int64).pin_memory()
+            torch.zeros(REPORT_ROWS * slots, dtype=torch.int64).pin_memory()
             if device.type == "cuda"
             else None
         )
@@ -367,7 +369,7 @@ class GenerationState:
         report = self.io("report", (REPORT_ROWS, self.size), torch.int64)
         if self.report_host is None or self.done is None:
             return report.tolist()
-        host = self.report_host[:, : self.size]
+        host = self.report_host[: REPORT_ROWS * self.size].view(REPORT_ROWS, self.size)
         host.copy_(report, non_blocking=True)
         self.done.record()
         self.done.synchronize()
@@ -431,7 +433,7 @@ class GenerationState:
                     f"a step needs {width} more cache columns than the {cache.capacity - used} "
                     "left after compaction: pass a larger cache_slack"
                 )
-            rows = torch.tensor(keep, device=cache.count.device)
+            rows = _indices(keep, cache.count.device)
             if index == 0:
                 cache.compact(rows, used)
             else:
@@ -449,7 +451,7 @@ class GenerationState:
 
     def _shrink(self, keep: list[int]) -> None:
         """Move the kept slots to the front of every per-slot buffer (caches are done)."""
-        index = torch.tensor(keep, device=self.device)
+        index = _indices(keep, self.device)
         size = len(keep)
         for buffer in (self.rows, self.active, self.generated, self.pending):
             buffer[:size] = buffer.index_select(0, index)
@@ -467,6 +469,15 @@ class GenerationState:
         stats.generated = torch.tensor(self.generated_host)
         stats.row_steps = torch.tensor(self.per_row["steps"])
         return torch.cat([input_ids, self.out[: self.batch, :new]], dim=1)
+
+
+def _indices(values: list[int], device: torch.device) -> Tensor:  # -> [len] int64
+    """Host ints as an index tensor on ``device`` without a sync: a copy from pageable memory
+    would wait for the device, one from pinned memory is asynchronous."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 __all__ = ["REPORT_ROWS", "Buffers", "GenerationState", "GenerationStats", "Layout", "PhaseClock"]
