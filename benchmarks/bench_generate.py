@@ -17,8 +17,8 @@ greedily and on the same left-padded prompts:
 Columns: median wall seconds over ``--repeats`` timed runs (after one warm-up run), new tokens
 per second (tokens are the reference's new tokens up to and including EOS, the same for every
 method that reproduces it), speed-up over ``generate``, tokens per step, VSR, verified draft
-tokens per step, the draft / verify / other time split of the speculative loop, and how many rows
-came out identical to ``generate``.
+tokens per step, the draft / select / verify / other time split of the speculative loop, and
+how many rows came out identical to ``generate``.
 
 The models are the shipped trained pair (``specselect.models.load_tiny_pair``) when its files
 are present, else tiny random Llama models (a noisy copy as draft) built in code. On CPU the
@@ -46,6 +46,9 @@ from torch import Tensor
 from specselect import make_selector
 from specselect.hf import TreeSpec, speculative_generate
 from specselect.selectors import SELECTORS
+
+#: The time split of speculative_generate's statistics, in the table's order.
+SPLIT = ("draft_seconds", "select_seconds", "verify_seconds", "other_seconds")
 
 
 @dataclass
@@ -244,7 +247,7 @@ def run_stats(out: Any) -> dict[str, float]:
         "tokens_per_step": totals.tokens_per_step,
         "vsr": totals.vsr,
         "verified_per_step": totals.verified / max(totals.steps, 1),
-        **{key: totals.extra[key] for key in ("draft_seconds", "verify_seconds", "other_seconds")},
+        **{key: totals.extra[key] for key in SPLIT},
     }
 
 
@@ -252,7 +255,7 @@ def markdown(rows: list[Row]) -> str:
     """The results as a markdown table; speed-ups are against ``generate`` of the same cell."""
     lines = [
         "| device | B | method | s | tok/s | vs generate | tok/step | VSR | verified/step "
-        "| draft/verify/other s | identical rows |",
+        "| draft/select/verify/other s | identical rows |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     baseline = {(r.device, r.batch): r.tokens / r.seconds for r in rows if r.method == "generate"}
@@ -270,9 +273,7 @@ def stats_cells(stats: dict[str, float]) -> str:
     """Tokens/step, VSR, verified/step and the time split; empty cells for non-speculative rows."""
     if not stats:
         return " | | | "
-    split = "/".join(
-        f"{stats[k]:.2f}" for k in ("draft_seconds", "verify_seconds", "other_seconds")
-    )
+    split = "/".join(f"{stats[k]:.2f}" for k in SPLIT)
     return (
         f"{stats['tokens_per_step']:.2f} | {stats['vsr']:.2f} | "
         f"{stats['verified_per_step']:.1f} | {split}"
