@@ -20,11 +20,17 @@ HF assisted generation (batch 1), and ``speculative_generate`` with every regist
 (chains) and one tree shape, eager and graph mode; tokens per step, VSR, rows identical to
 ``generate``.
 
+Part **s** — selection alone: µs per ``select`` + ``update`` at ``K = 8`` drafted tokens per row,
+for fixed k=3, paper and default TETRIS, eager and replayed from a CUDA graph (captured after a
+warm-up step, as the loop does), and whether every replayed selection equals the eager one
+(two selectors fed the same random steps).
+
 Every timed call follows an untimed warm-up call of the same shape (graph mode captures there;
 later calls replay). Times are medians of ``--repeats`` calls, synchronised.
 
     python benchmarks/bench_gpu.py --part a
     python benchmarks/bench_gpu.py --part b --cache-dir /tmp/specselect-pair
+    python benchmarks/bench_gpu.py --part s
     python benchmarks/bench_gpu.py --smoke --device cpu   # tiny shapes: checks the script only
 """
 
@@ -227,6 +233,122 @@ def part_a(args: argparse.Namespace, device: torch.device) -> str:
                     f"| {cost.total / plain:.2f} | {cost.total / hf:.2f} |"
                 )
             print(f"  batch {batch} done", file=sys.stderr)
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ part s
+
+
+def selection_configs(k: int, width: int) -> list[tuple[str, dict[str, Any]]]:
+    """(label, selector kwargs) of part s; TETRIS drafts ``width`` tokens per row."""
+    extra = width - k
+    return [
+        (f"fixed k={k}", {"name": "fixed", "k": k}),
+        (
+            f"paper TETRIS k={k} extra={extra}",
+            {"name": "tetris", "k": k, "extra": extra} | {"estimator": None, "guard": False},
+        ),
+        (f"default TETRIS k={k} extra={extra}", {"name": "tetris", "k": k, "extra": extra}),
+    ]
+
+
+@dataclass
+class SelectionSteps:
+    """Static input and output buffers of a select + update step, and its inputs per step."""
+
+    logprobs: Tensor  # [B, K] the draft log-probs the next step selects from
+    draws: Tensor  # [B] accepted tokens, capped by the selected length
+    mask: Tensor  # [B, K] bool: the last step's selection
+    inputs: list[tuple[Tensor, Tensor]]  # per step: ([B, K] log-probs, [B] draws)
+
+    @staticmethod
+    def random(batch: int, width: int, steps: int, device: torch.device) -> SelectionSteps:
+        gen = torch.Generator().manual_seed(batch)
+        inputs = [
+            (
+                torch.rand(batch, width, generator=gen).log().to(device),
+                torch.randint(0, width + 1, (batch,), generator=gen).to(device),
+            )
+            for _ in range(steps)
+        ]
+        return SelectionSteps(
+            inputs[0][0].clone(),
+            inputs[0][1].clone(),
+            torch.zeros(batch, width, dtype=torch.bool, device=device),
+            inputs,
+        )
+
+    def load(self, step: int) -> None:
+        logprobs, draws = self.inputs[step]
+        self.logprobs.copy_(logprobs)
+        self.draws.copy_(draws)
+
+    def stage(self, selector: Any) -> Callable[[], None]:
+        """One select + update on the static buffers (capturable: no host reads)."""
+
+        def run() -> None:
+            selection = selector.select(self.logprobs)
+            selector.update(selection, torch.minimum(selection.lengths, self.draws))
+            self.mask.copy_(selection.mask)
+
+        return run
+
+
+def selection_cost(
+    spec: dict[str, Any], batch: int, width: int, device: torch.device, steps: int
+) -> tuple[float, float | None, bool]:
+    """(eager µs, replayed µs or None, whether every replayed selection equals the eager one)
+    per select + update at one batch size; two selectors of ``spec`` see the same steps."""
+    from specselect._checks import trusted_values
+    from specselect.hf.graphs import StageRunner
+
+    buffers = SelectionSteps.random(batch, width, steps, device)
+    eager, graphed = make_selector(**spec), make_selector(**spec)
+    key = graphed.capture_key
+    runner = StageRunner("cuda" if device.type == "cuda" else "trace")
+    same = True
+    with torch.no_grad(), trusted_values():
+        for step in range(steps):  # the selections, step by step (and the captures' warm-up)
+            buffers.load(step)
+            buffers.stage(eager)()
+            expected = buffers.mask.clone()
+            if key is not None:
+                runner(key, buffers.stage(graphed))
+                same = same and torch.equal(buffers.mask, expected)
+        eager_us = _per_call_us(buffers.stage(eager), device, steps)
+        replay_us = None
+        if key is not None:
+            replay_us = _per_call_us(lambda: runner(key, buffers.stage(graphed)), device, steps)
+    return eager_us, replay_us, same
+
+
+def _per_call_us(call: Callable[[], None], device: torch.device, calls: int) -> float:
+    """µs per call over ``calls`` back-to-back calls (synchronised at both ends only: what a
+    loop that does not wait for the selection pays)."""
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    sync(device)
+    return 1e6 * (time.perf_counter() - start) / calls
+
+
+def part_s(args: argparse.Namespace, device: torch.device) -> str:
+    width = args.select_width
+    lines = [
+        f"K = {width} drafted tokens per row; µs per select + update, {args.select_steps} "
+        "steps of random draft log-probs and acceptance.",
+        "",
+        "| B | selector | eager µs | replayed µs | replay = eager |",
+        "|---:|---|---:|---:|---|",
+    ]
+    for batch in args.select_batch_sizes:
+        for label, spec in selection_configs(args.k, width):
+            eager, replay, same = selection_cost(spec, batch, width, device, args.select_steps)
+            replayed = "" if replay is None else f"{replay:.0f}"
+            check = "" if replay is None else ("yes" if same else "**no**")
+            lines.append(f"| {batch} | {label} | {eager:.0f} | {replayed} | {check} |")
+        print(f"  selection batch {batch} done", file=sys.stderr)
     return "\n".join(lines)
 
 
@@ -473,7 +595,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--part", choices=["a", "b", "all"], default="all")
+    parser.add_argument("--part", choices=["a", "b", "s", "all"], default="all")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--batch-sizes", default="1,8,32,64")
@@ -483,6 +605,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="part b: new tokens")
     parser.add_argument("--repeats", type=int, default=2, help="timed calls (median) per cell")
     parser.add_argument("--cache-dir", help="part b: where the trained pair is kept")
+    parser.add_argument("--select-batch-sizes", default="1,8,32,64,256", help="part s")
+    parser.add_argument("--select-width", type=int, default=8, help="part s: K per row")
+    parser.add_argument("--select-steps", type=int, default=200, help="part s: steps timed")
     parser.add_argument("--corpus-mb", type=float, default=120.0, help="part b: corpus size")
     parser.add_argument("--train-minutes", type=float, default=4.0)
     parser.add_argument("--distill-minutes", type=float, default=1.5)
@@ -495,11 +620,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", help="also write the tables to this markdown file")
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.select_batch_sizes = [int(b) for b in args.select_batch_sizes.split(",")]
     args.dtype = getattr(torch, args.dtype)
     if args.smoke:
         args.train_minutes, args.distill_minutes = 0.05, 0.05
         args.train_batch, args.context, args.prompt = 4, 64, 16
         args.steps, args.max_new_tokens = 8, 16
+        args.select_steps = 12
     return args
 
 
@@ -514,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
     with emulate_on_cpu() if device.type != "cuda" else contextlib.nullcontext():
         if args.part in ("a", "all"):
             sections.append("## a. Cost per step at realistic shapes\n\n" + part_a(args, device))
+        if args.part in ("s", "all"):
+            sections.append("## s. Selection: eager and replayed\n\n" + part_s(args, device))
         if args.part in ("b", "all"):
             sections.append("## b. End to end with a trained pair\n\n" + part_b(args, device))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from importlib.metadata import version
 
 import pytest
 import torch
 from hypothesis import strategies as st
-from packaging.version import Version
 
 from specselect.selection import Selection
 from specselect.selectors import TetrisSelector
@@ -24,30 +22,6 @@ from specselect.selectors import TetrisSelector
 # common: 1 gives log q = 0, 0 gives log q = -inf.
 _POOL = (1.0, 1.0, 0.5, 0.5, 0.25, 0.9, 0.1, 0.0)
 LOGPROB_POOL = tuple(math.log(p) if p > 0 else float("-inf") for p in _POOL)
-
-
-# transformers < 5.15 drew GPT-2's residual projections (c_proj) unscaled, so the tiny random
-# GPT-2 fixtures are other models there; in these cases their texts then lack an ending that the
-# test checks it covers (the token-identity checks pass). CI's oldest-versions run meets this.
-_GPT2_INIT_FIXED = Version("5.15")
-_NEED_GPT2_INIT = (
-    "test_generate_greedy.py::test_greedy_matches_generate[gpt2-0-heuristic]",
-    "test_generate_tree.py::test_greedy_tree_matches_generate[gpt2-0-fixed]",
-    "test_generate_tree.py::test_greedy_tree_matches_generate[gpt2-1-tetris-paper]",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Skip the cases whose coverage check needs transformers' current GPT-2 initialiser."""
-    if Version(version("transformers")) >= _GPT2_INIT_FIXED:
-        return
-    skip = pytest.mark.skip(
-        reason=f"transformers < {_GPT2_INIT_FIXED} initialises GPT-2 differently: this random "
-        "case lacks an ending the test must cover"
-    )
-    for item in items:
-        if item.nodeid.endswith(_NEED_GPT2_INIT):
-            item.add_marker(skip)
 
 
 def logprob_values() -> st.SearchStrategy[float]:

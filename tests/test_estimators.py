@@ -252,10 +252,10 @@ def test_request_ids_reset_the_slots_that_change_hands() -> None:
     for _ in range(5):
         selection = selector.select(logprobs, request_ids=torch.tensor([7, 8, 9]))
         selector.update(selection, selection.lengths)
-    seen = history._counts.sum(dim=(0, 2)) > 0  # [B]: tested tokens per slot
+    seen = history.request_counts().sum(dim=(0, 2)) > 0  # [B]: tested tokens per slot
     assert seen.all()
     selector.select(logprobs, request_ids=torch.tensor([7, 10, 9]))  # slot 1 holds request 10
-    seen = history._counts.sum(dim=(0, 2)) > 0
+    seen = history.request_counts().sum(dim=(0, 2)) > 0
     assert seen.tolist() == [True, False, True]
 
 
@@ -337,7 +337,7 @@ def test_history_model_matches_the_dense_feature_matrix(tree: bool) -> None:
     logprobs = torch.rand(ROWS, WIDTH, generator=gen).log()
     positions = torch.randint(0, 4, (ROWS, WIDTH), generator=gen) if tree else None
     depth = torch.arange(WIDTH).expand(ROWS, WIDTH) if positions is None else positions
-    accepted, rejected = estimator._counts  # [B, S] each
+    accepted, rejected = estimator.request_counts()  # [B, S] each
     batch_rate = estimator._batch[0] / estimator._batch.sum()
     rates = (accepted + estimator.strength * batch_rate) / (
         accepted + rejected + estimator.strength

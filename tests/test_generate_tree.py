@@ -8,6 +8,8 @@ the chain tests' cases: ``test_generate_greedy.case`` (prompts, an EOS id the ta
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -29,7 +31,7 @@ from specselect.hf import (
 )
 from specselect.hf.compat import ModelHandle
 from specselect.tree import build_tree_buffers
-from test_generate_greedy import MAX_NEW, MAX_PROMPT, SEEDS, case, row_endings
+from test_generate_greedy import MAX_NEW, MAX_PROMPT, SEEDS, assert_covers_both_endings, case
 from test_generate_sampling import (
     ALPHA,
     assert_follows_target,
@@ -160,12 +162,11 @@ SELECTORS = {
 BUDGETED = ("tetris", "tetris-paper", "fixed")  # C = 3 nodes per active request
 
 
-@pytest.mark.parametrize("selector_name", sorted(SELECTORS))
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_tree_matches_generate(arch: str, seed: int, selector_name: str) -> None:
-    target, draft, ids, mask, eos, reference = case(arch, seed)
-    out = speculative_generate(
+@functools.cache
+def run(arch: str, seed: int, selector_name: str):
+    """Tree ``speculative_generate`` on :func:`case`, once per case and selector."""
+    target, draft, ids, mask, eos, _ = case(arch, seed)
+    return speculative_generate(
         target,
         draft,
         ids,
@@ -176,10 +177,16 @@ def test_greedy_tree_matches_generate(arch: str, seed: int, selector_name: str) 
         pad_token_id=PAD_ID,
         tree=TREE,
     )
+
+
+@pytest.mark.parametrize("selector_name", sorted(SELECTORS))
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tree_matches_generate(arch: str, seed: int, selector_name: str) -> None:
+    reference = case(arch, seed)[5]
+    out = run(arch, seed, selector_name)
     assert torch.equal(out.sequences, reference)
     stats = out.stats
-    endings = row_endings(stats, eos, out.sequences, MAX_PROMPT)
-    assert {"eos_accepted", "max_new_in_run"} <= set(endings), endings
     totals = stats.totals
     assert totals.tokens_per_step > 1.5, "the drafts must be accepted often"
     # The budget: C = 3 nodes per active request, globally (TETRIS) or per request (fixed).
@@ -189,6 +196,13 @@ def test_greedy_tree_matches_generate(arch: str, seed: int, selector_name: str) 
             assert int(verified.max()) <= 3
     assert int(stats.accepted.sum()) == totals.accepted
     assert (stats.accepted <= stats.verified).all()
+
+
+@pytest.mark.parametrize("selector_name", sorted(SELECTORS))
+def test_greedy_tree_cases_cover_both_endings(selector_name: str) -> None:
+    assert_covers_both_endings(
+        (run(arch, seed, selector_name), case(arch, seed)[4]) for arch in ARCHS for seed in SEEDS
+    )
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 5])

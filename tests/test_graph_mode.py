@@ -1,11 +1,12 @@
 """Graph mode (``cuda_graphs``), plain decoding and the loop's host reads.
 
-On the CPU, graph mode runs in *trace* mode (``emulate_on_cpu``): each stage is traced with
-``make_fx`` on first use and the traced graph is replayed afterwards, with the live buffers as
-its constants. That reproduces what a CUDA graph replay does: the recorded ops run again on
-whatever the buffers hold, so a host value baked into a stage, or data passed outside the
-persistent buffers, gives a wrong result here too, and a host read inside a stage raises. The
-same tests run with real CUDA graphs when a GPU is present.
+On the CPU, graph mode runs in *trace* mode (``emulate_on_cpu``): each stage runs eagerly on
+first use (the warm-up a CUDA capture follows), is traced with ``make_fx`` on its second and
+the traced graph is replayed afterwards, with the live buffers as its constants. That reproduces
+what a CUDA graph replay does: the recorded ops run again on whatever the buffers hold, so a
+host value baked into a stage, or data passed outside the persistent buffers, gives a wrong
+result here too, and a host read inside a stage raises. The same tests run with real CUDA
+graphs when a GPU is present.
 
 Fixtures: ``test_generate_greedy.case`` (tiny random Llama / GPT-2 pairs, left-padded prompts,
 an EOS id that stops about half of the rows mid-run, and ``generate()``'s greedy output).
@@ -27,27 +28,32 @@ from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, speculative_gener
 from specselect.hf.compat import ModelHandle, graph_obstacle
 from specselect.hf.generate import HOST_READS_PER_STEP, graph_mode, release_workspace
 from specselect.hf.graphs import StageRunner
+from specselect.hf.steps import Step
 from test_generate_greedy import MAX_NEW, NOISE, VOCAB, case
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
-# (selector spec, tree): selectors captured with the verify pass (fixed, paper TETRIS) and
-# run eagerly between the stages (the default TETRIS learns), chains and trees.
+# (selector spec, tree): selectors captured with the verify pass (fixed, paper TETRIS, the
+# default TETRIS, which learns in place) and run eagerly between the stages (the goodput budget
+# plans on the host), chains and trees.
 PAPER = {"name": "tetris", "k": 3, "extra": 2, "estimator": None, "guard": False}
 CONFIGS = {
     "fixed": ({"name": "fixed", "k": 3}, None),
     "tetris": ({"name": "tetris", "k": 3, "extra": 2}, None),
+    "goodput": ({"name": "tetris", "k": 3, "extra": 2, "budget": "goodput"}, None),
     "tetris-tree": ({"name": "tetris", "k": 3, "extra": 2}, TreeSpec(3, 2, 2)),
     "paper-tree": (PAPER, TreeSpec(3, 2, 2)),
     "plain": (None, None),
 }
 
 
-def run(target, draft, ids, mask, config: str, eos: object, **kwargs: object):
-    """speculative_generate with one of CONFIGS (MAX_NEW tokens unless given)."""
+def run(target, draft, ids, mask, config: str, eos: object, selector=None, **kwargs: object):
+    """speculative_generate with one of CONFIGS (MAX_NEW tokens unless given), with a new
+    selector unless given one."""
     spec, tree = CONFIGS[config]
-    selector = None if spec is None else make_selector(**spec)
+    if selector is None and spec is not None:
+        selector = make_selector(**spec)
     kwargs = {"max_new_tokens": MAX_NEW, "pad_token_id": PAD_ID, **kwargs}
     return speculative_generate(
         target, draft, ids, mask, selector=selector, tree=tree, eos_token_id=eos, **kwargs
@@ -189,11 +195,13 @@ def test_a_kept_workspace_does_not_keep_the_models_alive() -> None:
 
 
 @pytest.mark.parametrize(
-    ("config", "captured"), [("fixed", True), ("paper-tree", True), ("tetris", False)]
+    ("config", "captured"),
+    [("fixed", True), ("paper-tree", True), ("tetris", True), ("goodput", False)],
 )
 def test_selection_is_captured_only_for_capturable_selectors(config: str, captured: bool) -> None:
     """Graph mode replays select + update inside the verify graph when the selector has a
-    capture_key (stateless: fixed, the paper's TETRIS), and runs them eagerly otherwise."""
+    capture_key (fixed, the paper's TETRIS, the default TETRIS), and runs them eagerly
+    otherwise (the goodput budget)."""
     target, draft, ids, mask, eos, _ = case("llama", 0)
     keys: list[object] = []
     runner_call = StageRunner.__call__
@@ -209,6 +217,90 @@ def test_selection_is_captured_only_for_capturable_selectors(config: str, captur
     names = {key[0] for key in keys}  # type: ignore[index]
     assert ("select+verify" in names) == captured
     assert ("verify" in names) == (not captured)
+
+
+def learned_state(selector) -> list[torch.Tensor]:
+    """What the default TETRIS has learned: its estimator's log-losses and calibration table,
+    its guard's AUC."""
+    estimator = selector.estimator
+    table = estimator.learned.calibration.table()
+    return [estimator.log_losses(), table, selector.guard.auc()]
+
+
+def test_captured_learning_selector_learns_as_in_eager_mode() -> None:
+    """The default TETRIS learns every step, in tensors its captured select + update replays
+    on in place: in graph mode it verifies what it does in eager mode, step by step, and ends
+    each call with the same learned state. One selector serves calls of 4, 2 and 4 rows in
+    turn (each batch size keeps its own per-request state, which its graphs replay on; the
+    4-row graphs are replayed by the third call)."""
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    calls = (slice(0, 4), slice(4, 6), slice(2, 6))
+
+    def generations(cuda_graphs: bool) -> list[tuple[object, list[torch.Tensor]]]:
+        selector = make_selector("tetris", k=3, extra=2)
+        results = []
+        for rows in calls:
+            config = (target, draft, ids[rows], mask[rows], "tetris", eos, selector)
+            out = run(*config, cuda_graphs=cuda_graphs)
+            results.append((out, learned_state(selector)))
+        return results
+
+    release_workspace(target)
+    with emulate_on_cpu():
+        traced = generations(True)
+    release_workspace(target)
+    eager = generations(False)
+    for (graph_out, graph_state), (eager_out, eager_state) in zip(traced, eager, strict=True):
+        assert graph_out.stats.mode == "trace"
+        assert torch.equal(graph_out.sequences, eager_out.sequences)
+        assert len(graph_out.stats.verified_per_step) == len(eager_out.stats.verified_per_step)
+        for graph_step, eager_step in zip(
+            graph_out.stats.verified_per_step, eager_out.stats.verified_per_step, strict=True
+        ):
+            assert torch.equal(graph_step, eager_step)
+        for graph_value, eager_value in zip(graph_state, eager_state, strict=True):
+            torch.testing.assert_close(graph_value, eager_value)
+
+
+def test_a_busy_workspace_is_not_shared() -> None:
+    """While a call uses the kept workspace (here: its lock held, as by another thread), a
+    second call on the same target runs in a workspace of its own and leaves the kept one as
+    it was."""
+    target, draft, ids, mask, eos, reference = case("llama", 0)
+    release_workspace(target)
+    with emulate_on_cpu():
+        run(target, draft, ids[:3], mask[:3], "fixed", eos, cuda_graphs=True)
+        kept = hf_generate._WORKSPACES[target]
+        graphs = dict(kept.runner._graphs)
+        with kept.lock:
+            out = run(target, draft, ids[3:6], mask[3:6], "fixed", eos, cuda_graphs=True)
+        assert hf_generate._WORKSPACES[target] is kept
+        assert kept.runner._graphs == graphs
+        assert out.stats.captures > 0  # its own workspace captured anew
+        again = run(target, draft, ids[3:6], mask[3:6], "fixed", eos, cuda_graphs=True)
+    release_workspace(target)
+    assert torch.equal(out.sequences, reference[3:6])
+    assert torch.equal(again.sequences, reference[3:6])
+    assert again.stats.captures < out.stats.captures  # the kept workspace, free again
+
+
+def test_a_kept_workspace_keeps_the_captures_of_the_last_selectors() -> None:
+    """A new default TETRIS per call records its own select + verify graphs (they replay on
+    its state); the kept workspace holds those of the last KEPT_SELECTORS selectors only, so a
+    loop that makes a selector per call does not pile up graphs."""
+    target, draft, ids, mask, eos, reference = case("llama", 0)
+    release_workspace(target)
+    tokens = []
+    with emulate_on_cpu():
+        for _ in range(hf_generate.KEPT_SELECTORS + 2):
+            selector = make_selector("tetris", k=3, extra=2)
+            tokens.append(selector.capture_token)
+            out = run(target, draft, ids[:2], mask[:2], "tetris", eos, selector, cuda_graphs=True)
+            assert torch.equal(out.sequences, reference[:2])
+    runner = hf_generate._WORKSPACES[target].runner
+    kept = {Step.captured_selector(key) for key in runner._graphs} - {None}
+    release_workspace(target)
+    assert {key[-1] for key in kept} == set(tokens[-hf_generate.KEPT_SELECTORS :])
 
 
 def make_fx_traces_generators() -> bool:

@@ -11,6 +11,7 @@ The top-``C`` kernel that budgeted selectors run lives in :mod:`specselect.topc`
 from __future__ import annotations
 
 import abc
+import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -40,6 +41,7 @@ from specselect.topc import top_c_mask as top_c_mask  # public here too
 from specselect.tree import check_parents, path_sums
 
 NEG_INF = float("-inf")
+_CAPTURE_TOKENS = itertools.count()  # see Selector.capture_token
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,10 @@ class Selector(abc.ABC):
     def __init__(self) -> None:
         self._last: _LastSelect | None = None  # what the last select saw, for update
         self._request_ids: Tensor | None = None  # [B] request in each slot at the last select
+        #: Unique to this object for the life of the process (unlike ``id()``, never reused by a
+        #: later object): the part of a stateful selector's :attr:`capture_key` that keeps a
+        #: graph recorded on this selector's state from replaying for another one.
+        self.capture_token = next(_CAPTURE_TOKENS)
 
     @abc.abstractmethod
     def draft_length(self, num_active: int) -> int:
@@ -335,9 +341,10 @@ class Selector(abc.ABC):
 
         A selector may give a key only when both are device code without host reads and every
         state they keep lives in tensors updated in place (never rebound, also by
-        :meth:`reset`). Two selectors with equal keys must record the same work on the same
-        memory: a stateless selector's key is its parameters; a stateful one must include
-        ``id(self)``.
+        :meth:`reset`; allocated on the first call for a shape, before a loop captures that
+        shape, which it does only after a warm-up call). Two selectors with equal keys must
+        record the same work on the same memory: a stateless selector's key is its parameters;
+        a stateful one must include its :attr:`capture_token`.
         """
         return None
 

@@ -13,8 +13,9 @@ clears the slots that were handed to new requests.
 
 State is allocated on the first step (when the device and batch size are known) and from then on
 only updated in place, never rebound: a decoding loop may capture ``select`` and ``update`` in a
-CUDA graph, which replays its kernels on the buffers it recorded. A new batch size allocates new
-per-request state (and needs a new capture).
+CUDA graph, which replays its kernels on the buffers it recorded. Each batch size gets its own
+per-request state (and its own capture), kept while the estimator lives. An estimator that keeps
+to this says so with :attr:`AcceptanceEstimator.capturable`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ class AcceptanceEstimator(abc.ABC):
 
     name: str = "estimator"
 
+    @property
+    def capturable(self) -> bool:
+        """Whether :meth:`estimate` and :meth:`learn` may be captured in a CUDA graph: device
+        code without host reads, state allocated on a shape's first call and only updated in
+        place after it (see the module doc). ``False`` unless an estimator declares it."""
+        return False
+
     @abc.abstractmethod
     def estimate(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
         """``[B, K]`` draft log-probs → ``[B, K]`` estimated log acceptance probabilities.
@@ -77,6 +85,10 @@ class DraftProbability(AcceptanceEstimator):
     """The paper's estimate: the draft probability itself. Learns nothing."""
 
     name = "draft"
+
+    @property
+    def capturable(self) -> bool:
+        return True
 
     def estimate(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
         return draft_logprobs

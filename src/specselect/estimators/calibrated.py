@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int
+from specselect.constants import cached_constant
 from specselect.estimators.base import AcceptanceEstimator, Cached, clamp_log
 
 
@@ -43,6 +44,10 @@ class CalibratedDraft(AcceptanceEstimator):
 
     name = "calibrated"
 
+    @property
+    def capturable(self) -> bool:
+        return True
+
     def __init__(
         self, bins: int = 10, positions: int = 8, prior: float = 4.0, decay: float = 0.995
     ) -> None:
@@ -55,7 +60,6 @@ class CalibratedDraft(AcceptanceEstimator):
         self._counts: Tensor | None = None  # [2, P * bins] decayed accepted, rejected counts
         self._logits: Tensor | None = None  # [P * bins] logit of each cell's estimate
         self._prior: Tensor | None = None  # [2, P * bins] the prior's pseudo-counts
-        self._offsets: Tensor | None = None  # [K] int64 first cell of each chain column
         self._cells = Cached()  # the last estimate's cells, for learn
 
     def reset(self) -> None:
@@ -88,11 +92,8 @@ class CalibratedDraft(AcceptanceEstimator):
             q = draft_logprobs.exp()  # NaN-free inputs (checked by selectors): q in [0, 1]
         column = (q * self.bins).to(torch.int64).clamp_(0, self.bins - 1)
         if positions is None:  # chains: the row offset of column j is a constant
-            width, device = draft_logprobs.shape[1], draft_logprobs.device
-            offsets = self._offsets
-            if offsets is None or offsets.shape[0] != width or offsets.device != device:
-                offsets = _position_offsets(width, self.positions, self.bins, device)
-                self._offsets = offsets
+            key = ("calibrated_offsets", draft_logprobs.shape[1], self.positions, self.bins)
+            offsets = cached_constant((*key, draft_logprobs.device), _position_offsets)  # [K]
             return column.add_(offsets)
         return column.add_(positions.clamp(max=self.positions - 1), alpha=self.bins)
 

@@ -49,6 +49,10 @@ class RankingChoice(AcceptanceEstimator):
 
     name = "choice"
 
+    @property
+    def capturable(self) -> bool:
+        return self.learned.capturable
+
     def __init__(
         self,
         learned: AcceptanceEstimator | None = None,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from specselect.constants import cached_constant
 from specselect.estimators.base import AcceptanceEstimator, Cached, check_rows
 from specselect.estimators.calibrated import CalibratedDraft, _check_unit
 
@@ -33,9 +35,10 @@ class RequestHistory(AcceptanceEstimator):
     ``[draft_weight, calibrated_weight, 0, 0, history_weight, ...]`` and follow one gradient
     step of the log-loss per verification step, over the positions the target tested.
 
-    Everything that does not depend on the step's tokens (each row's history term, the
-    calibration table) is refreshed when the model learns, so that an estimate is a handful of
-    element-wise operations, one lookup and one small matrix-vector product. State is allocated
+    The calibration table is refreshed when the model learns, so that its part of an estimate is
+    a lookup; each row's history term is recomputed at the start of an estimate (a few
+    operations over ``[B, S]``), because the shared state it depends on (weights, batch rate)
+    may have learned from a batch of another size since. State is allocated
     on the first call and then updated in place (see :mod:`specselect.estimators.base`).
 
     Args:
@@ -49,6 +52,10 @@ class RequestHistory(AcceptanceEstimator):
     """
 
     name = "history"
+
+    @property
+    def capturable(self) -> bool:
+        return self.calibration.capturable
 
     def __init__(
         self,
@@ -80,12 +87,9 @@ class RequestHistory(AcceptanceEstimator):
         self._weights: Tensor | None = None
         self._batch: Tensor | None = None
         self._decays: Tensor | None = None
-        # Per-slot state: [2, B, S] decayed accepted / rejected counts per time scale, and what
-        # the next estimate reads: [B, S] history log-odds, [B] bias + history term.
-        self._counts: Tensor | None = None
-        self._history: Tensor | None = None
-        self._row_terms: Tensor | None = None
-        self._columns: Tensor | None = None  # [K] position / 8 of each chain column
+        # Per-slot state, one set per batch size met (see _state), and the current batch's.
+        self._slots: dict[int, _Slots] = {}
+        self._current: _Slots | None = None
         self._estimated = Cached()  # features and log-probabilities of the last estimate
 
     @property
@@ -100,45 +104,48 @@ class RequestHistory(AcceptanceEstimator):
             return
         self._weights.copy_(torch.tensor(self._initial_weights))
         self._batch.copy_(torch.tensor(_BATCH_PRIOR))
-        if self._counts is not None:
-            self._counts.zero_()
-            self._refresh_rows()
+        for slots in self._slots.values():
+            slots.counts.zero_()
 
     def reset_rows(self, rows: Tensor) -> None:
-        if self._counts is None:
+        slots = self._current
+        if slots is None:
             return
-        rows = check_rows(rows, self._counts.shape[1])
+        rows = check_rows(rows, slots.counts.shape[1])
         self._estimated.clear()  # the features of these rows change
-        self._counts.masked_fill_(rows.view(1, -1, 1), 0.0)
-        self._refresh_rows()
+        slots.counts.masked_fill_(rows.view(1, -1, 1), 0.0)
 
-    def _state(self, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """``(weights [F], counts [2, B, S])``, allocated when first needed; shared state
-        persists, per-slot state follows the batch shape."""
+    def request_counts(self) -> Tensor | None:
+        """``[2, B, S]`` decayed accepted / rejected counts of each slot of the last batch, per
+        time scale (``None`` before any); diagnostics: the live tensor, do not modify it."""
+        return None if self._current is None else self._current.counts
+
+    def _state(self, batch: int, device: torch.device) -> tuple[Tensor, _Slots]:
+        """``(weights [F], the per-slot state of a batch of this size)``, allocated when first
+        needed. Each batch size keeps its own per-slot tensors, never rebound: a CUDA graph
+        captured for a batch size reads them when it replays, also after other sizes ran."""
         if self._weights is None or self._batch is None or self._weights.device != device:
             self._weights = torch.tensor(self._initial_weights, device=device)
             self._batch = torch.tensor(_BATCH_PRIOR, device=device)
             self._decays = torch.tensor(self.request_decays, device=device)
-            self._counts = None
-        if self._counts is None or self._counts.shape[1] != batch:
-            scales = len(self.request_decays)
-            self._counts = torch.zeros(2, batch, scales, device=device)
-            self._history = torch.empty(batch, scales, device=device)
-            self._row_terms = torch.empty(batch, device=device)
-            self._refresh_rows()
-        return self._weights, self._counts
+            self._slots.clear()
+        slots = self._slots.get(batch)
+        if slots is None:
+            slots = self._slots[batch] = _Slots.zeros(batch, len(self.request_decays), device)
+        self._current = slots
+        return self._weights, slots
 
-    def _refresh_rows(self) -> None:
-        """Recompute each row's history log-odds and its term of the model, in place."""
+    def _refresh_rows(self, slots: _Slots) -> None:
+        """Recompute each row's history log-odds and its term of the model, in place (what
+        :meth:`learn`'s gradient reads too: the values the estimate used)."""
         assert self._weights is not None and self._batch is not None
-        assert self._counts is not None and self._history is not None
-        assert self._row_terms is not None
         batch_rate = self._batch[0] / self._batch.sum()  # 0-dim
-        accepted = torch.add(self._counts[0], batch_rate, alpha=self.strength)  # [B, S]
-        rejected = torch.add(self._counts[1], batch_rate, alpha=-self.strength).add_(self.strength)
-        torch.sub(accepted.log_(), rejected.log_(), out=self._history)
-        bias = self._weights[TOKEN_FEATURES].expand(self._row_terms.shape)  # [B]
-        torch.addmv(bias, self._history, self._weights[TOKEN_FEATURES + 1 :], out=self._row_terms)
+        accepted = torch.add(slots.counts[0], batch_rate, alpha=self.strength)  # [B, S]
+        rejected = torch.add(slots.counts[1], batch_rate, alpha=-self.strength).add_(self.strength)
+        torch.sub(accepted.log_(), rejected.log_(), out=slots.history)
+        bias = self._weights[TOKEN_FEATURES].expand(slots.row_terms.shape)  # [B]
+        weights = self._weights[TOKEN_FEATURES + 1 :]  # [S]
+        torch.addmv(bias, slots.history, weights, out=slots.row_terms)
 
     def _token_features(self, draft_logprobs: Tensor, positions: Tensor | None) -> Tensor:
         """``[3, B, K]``: the draft's log-odds, the calibrated log-odds, position / 8."""
@@ -146,24 +153,20 @@ class RequestHistory(AcceptanceEstimator):
         draft = (draft_logprobs - torch.log1p(-q)).clamp_(-LOGIT_MAX, LOGIT_MAX)  # [B, K]
         calibrated = self.calibration.logits(draft_logprobs, positions, q=q)  # [B, K]
         if positions is None:  # chains: one position per column
-            width, device = draft_logprobs.shape[1], draft_logprobs.device
-            columns = self._columns
-            if columns is None or columns.shape[0] != width or columns.device != device:
-                columns = torch.arange(width, device=device, dtype=torch.float32) / 8
-                self._columns = columns
-            position = columns.expand(draft.shape)
+            key = ("history_columns", draft_logprobs.shape[1], draft_logprobs.device)
+            position = cached_constant(key, _scaled_columns).expand(draft.shape)
         else:
             position = positions.to(draft.dtype) / 8
         return torch.stack([draft, calibrated, position])
 
     def _log_probabilities(self, draft_logprobs: Tensor, positions: Tensor | None) -> Tensor:
         """``[B, K]`` ``log sigmoid(features @ weights)``, kept (with the features) for learn."""
-        weights, _ = self._state(draft_logprobs.shape[0], draft_logprobs.device)
-        assert self._row_terms is not None
+        weights, slots = self._state(draft_logprobs.shape[0], draft_logprobs.device)
+        self._refresh_rows(slots)
         features = self._token_features(draft_logprobs, positions)  # [3, B, K]
         flat = features.view(TOKEN_FEATURES, -1)  # [3, B * K]
         z = (weights[:TOKEN_FEATURES] @ flat).view(draft_logprobs.shape)  # [B, K]
-        log_p = torch.nn.functional.logsigmoid(z.add_(self._row_terms.unsqueeze(1)))
+        log_p = torch.nn.functional.logsigmoid(z.add_(slots.row_terms.unsqueeze(1)))
         self._estimated.keep((draft_logprobs, positions), (features, log_p))
         return log_p
 
@@ -178,9 +181,8 @@ class RequestHistory(AcceptanceEstimator):
         passed: Tensor,
         positions: Tensor | None = None,
     ) -> None:
-        weights, counts = self._state(draft_logprobs.shape[0], draft_logprobs.device)
-        assert self._batch is not None and self._history is not None
-        assert self._decays is not None
+        weights, slots = self._state(draft_logprobs.shape[0], draft_logprobs.device)
+        assert self._batch is not None and self._decays is not None
         cached = self._estimated.take((draft_logprobs, positions))
         if cached is None:
             self._log_probabilities(draft_logprobs, positions)
@@ -191,15 +193,36 @@ class RequestHistory(AcceptanceEstimator):
         error = log_p.exp().sub_(outcomes[0]).mul_(tested)  # [B, K] (p - passed) where tested
         per_row = outcomes.sum(dim=2)  # [2, B]
         totals = per_row.sum(dim=1)  # [2]
-        gradient = _gradient(error, features, self._history)  # [F]
+        gradient = _gradient(error, features, slots.history)  # [F]
         weights.sub_(gradient.mul_(self.lr / totals.sum().clamp(min=1)))
-        counts.mul_(self._decays).add_(per_row.unsqueeze(2))
+        slots.counts.mul_(self._decays).add_(per_row.unsqueeze(2))
         self._batch.mul_(BATCH_DECAY).add_(totals)
-        self._refresh_rows()
         self.calibration.add_outcomes(draft_logprobs, positions, outcomes)
 
 
+@dataclass(frozen=True)
+class _Slots:
+    """Per-slot state of one batch size: decayed counts, and what the next estimate reads."""
+
+    counts: Tensor  # [2, B, S] decayed accepted / rejected counts per time scale
+    history: Tensor  # [B, S] history log-odds
+    row_terms: Tensor  # [B] bias + history term of each row
+
+    @staticmethod
+    def zeros(batch: int, scales: int, device: torch.device) -> _Slots:
+        return _Slots(
+            counts=torch.zeros(2, batch, scales, device=device),
+            history=torch.empty(batch, scales, device=device),
+            row_terms=torch.empty(batch, device=device),
+        )
+
+
 _BATCH_PRIOR = (0.7, 0.3)  # one pseudo-observation at acceptance rate 0.7 before any evidence
+
+
+def _scaled_columns(width: int, device: torch.device) -> Tensor:
+    """``[width]`` float32: position / 8 of each chain column."""
+    return torch.arange(width, device=device, dtype=torch.float32) / 8
 
 
 def _gradient(error: Tensor, features: Tensor, history: Tensor) -> Tensor:

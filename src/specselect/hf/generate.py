@@ -43,10 +43,11 @@ shares every other cost.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import weakref
-from collections.abc import Sized
-from dataclasses import dataclass
+from collections.abc import Hashable, Sized
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -356,6 +357,29 @@ class _Workspace:
     draft: weakref.ReferenceType[torch.nn.Module] | None
     state: GenerationState
     runner: StageRunner
+    #: Capture keys of the selectors whose work was captured, the most recent last.
+    selectors: list[Hashable] = field(default_factory=list)
+    #: Held by the call using it: a concurrent call on the same target gets its own workspace.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def retain(self, selector: Selector | None) -> None:
+        """Keep the captures of the last :data:`KEPT_SELECTORS` capturable selectors.
+
+        A stateful selector's captures are its own (its key holds its
+        :attr:`~specselect.selection.Selector.capture_token`): a loop that gets a new selector
+        every call would otherwise keep every old one's verify graphs.
+        """
+        capture = None if selector is None else selector.capture_key
+        if capture is None or capture in self.selectors:
+            return
+        self.selectors.append(capture)
+        if len(self.selectors) > KEPT_SELECTORS:
+            old = self.selectors.pop(0)
+            self.runner.forget(lambda key: Step.captured_selector(key) == old)
+
+
+#: Selectors whose captures a kept workspace holds (see :meth:`_Workspace.retain`).
+KEPT_SELECTORS = 4
 
 
 #: Graph-mode workspaces by target model (one each): captures are costly, so a later call of the
@@ -394,7 +418,16 @@ class _Loop:
         self.fall_back = fall_back  # a failed capture falls back to eager mode
 
     def run(self, input_ids: Tensor, attention_mask: Tensor, progress: bool) -> SpeculativeOutput:
-        state, runner = self._workspace(input_ids)
+        workspace = self._workspace(input_ids)
+        try:
+            return self._generate(workspace, input_ids, attention_mask, progress)
+        finally:
+            workspace.lock.release()
+
+    def _generate(
+        self, workspace: _Workspace, input_ids: Tensor, attention_mask: Tensor, progress: bool
+    ) -> SpeculativeOutput:
+        state, runner = workspace.state, workspace.runner
         captured = runner.captures
         state.start(self.options, input_ids.shape[0])
         clock = PhaseClock(self.target.device, phases=len(PHASES))
@@ -414,9 +447,10 @@ class _Loop:
         stats.captures, stats.mode = runner.captures - captured, runner.mode
         return SpeculativeOutput(state.result(input_ids), stats)
 
-    def _workspace(self, input_ids: Tensor) -> tuple[GenerationState, StageRunner]:
-        """The state (caches sized for the whole call) and the stage runner: the target's kept
-        workspace when it serves this call (graph mode), else new ones."""
+    def _workspace(self, input_ids: Tensor) -> _Workspace:
+        """The state (caches sized for the whole call) and the stage runner, locked for this
+        call: the target's kept workspace when it serves this call (graph mode) and no other
+        call is using it, else a new one (kept in graph mode unless the kept one is busy)."""
         graphs = self.mode != "eager"
         batch, prompt = input_ids.shape
         layout = self._layout(batch, prompt, graphs)
@@ -430,24 +464,30 @@ class _Loop:
         )
         draft = None if self.draft is None else self.draft.model
         kept = _WORKSPACES.get(self.target.model) if graphs else None
-        if (
-            kept is not None
-            and kept.key == key
-            and (kept.draft() if kept.draft is not None else None) is draft
-            and kept.state.layout.serves(layout)
-            and kept.runner.mode == self.mode  # not fallen back to eager mode
-        ):
-            kept.runner.fall_back = self.fall_back
-            return kept.state, kept.runner
-        if graphs:  # replaced: free the old buffers before allocating (eager mode keeps it)
+        busy = kept is not None and not kept.lock.acquire(blocking=False)
+        if kept is not None and not busy:
+            if (
+                kept.key == key
+                and (kept.draft() if kept.draft is not None else None) is draft
+                and kept.state.layout.serves(layout)
+                and kept.runner.mode == self.mode  # not fallen back to eager mode
+            ):
+                kept.runner.fall_back = self.fall_back
+                kept.retain(self.selector)
+                return kept
+            kept.lock.release()
+            # Replaced: free the old buffers before allocating.
             _WORKSPACES.pop(self.target.model, None)
         # The state holds the models weakly: a kept workspace must not keep them alive.
         state = GenerationState(self.target.weak(), self._drafter(layout), layout, graphs)
         runner = StageRunner(self.mode, list(self.generators.values()), fall_back=self.fall_back)
-        if graphs:
-            draft_ref = None if draft is None else weakref.ref(draft)
-            _WORKSPACES[self.target.model] = _Workspace(key, draft_ref, state, runner)
-        return state, runner
+        draft_ref = None if draft is None else weakref.ref(draft)
+        workspace = _Workspace(key, draft_ref, state, runner)
+        workspace.lock.acquire()
+        if graphs and not busy:
+            _WORKSPACES[self.target.model] = workspace
+            workspace.retain(self.selector)
+        return workspace
 
     def _layout(self, batch: int, prompt: int, graphs: bool) -> Layout:
         """What this call needs allocated: slots for its bucket, cache columns for the longest

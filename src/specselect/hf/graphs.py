@@ -13,8 +13,9 @@ at new positions and with new data, because every position is read from device t
 * ``"eager"`` — call the stage (no capture);
 * ``"cuda"`` — ``torch.cuda.CUDAGraph`` per key, one shared memory pool, random generators
   registered so sampling draws fresh numbers on every replay;
-* ``"trace"`` — a CPU stand-in for tests: the first call is traced with ``make_fx`` (which runs
-  it for real) and later calls replay the traced graph, whose constants are the live buffers.
+* ``"trace"`` — a CPU stand-in for tests: the first call of a key runs eagerly (the warm-up, as
+  before a CUDA capture), the second is traced with ``make_fx`` (which runs it for real) and
+  later calls replay the traced graph, whose constants are the live buffers.
   Like a CUDA graph replay, it repeats the recorded ops with whatever the buffers hold, so any
   host value baked into a stage or any data passed outside the persistent buffers shows up as a
   wrong result; host reads inside a stage raise (:class:`HostReads`).
@@ -96,8 +97,9 @@ class StageRunner:
         self.mode = mode
         self.generators = [g for g in generators if g is not None]
         self.fall_back = fall_back
-        self.captures = 0  # graphs captured (or traced) so far
+        self.captures = 0  # keys captured (trace mode: keys warmed up, to be traced) so far
         self._graphs: dict[Hashable, Any] = {}
+        self._warm: set[Hashable] = set()  # trace mode: keys run once, to be traced next
         self._pool: Any = None
 
     def __call__(self, key: Hashable, stage: Callable[[], None]) -> None:
@@ -109,27 +111,48 @@ class StageRunner:
             graph.replay() if self.mode == "cuda" else graph()
             return
         if self.mode == "trace":
-            self._graphs[key] = _trace(stage, self.generators)
-        else:
-            stage()  # the real run doubles as the warm-up
-            try:
-                self._graphs[key] = self._capture_cuda(stage)
-            except RuntimeError as err:
-                if not self.fall_back:
-                    raise
-                warnings.warn(
-                    f"CUDA graph capture failed ({err}); speculative_generate continues in eager "
-                    "mode (pass cuda_graphs=False to skip capturing, True to make this an error)",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                self.mode = "eager"
-                return
+            self._trace_or_warm_up(key, stage)
+            return
+        stage()  # the real run doubles as the warm-up
+        try:
+            self._graphs[key] = self._capture_cuda(stage)
+        except RuntimeError as err:
+            if not self.fall_back:
+                raise
+            warnings.warn(
+                f"CUDA graph capture failed ({err}); speculative_generate continues in eager "
+                "mode (pass cuda_graphs=False to skip capturing, True to make this an error)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self.mode = "eager"
+            return
         self.captures += 1
+
+    def _trace_or_warm_up(self, key: Hashable, stage: Callable[[], None]) -> None:
+        """Trace mode: run a new key eagerly, trace it the next time.
+
+        Like a CUDA capture, a trace follows a warm-up run of its key: state that a stage
+        allocates when first run (a selector's) must exist before it is recorded. The warm-up
+        is what ``captures`` counts, so a key costs one capture in both modes.
+        """
+        if key in self._warm:
+            self._graphs[key] = _trace(stage, self.generators)
+            return
+        self._warm.add(key)
+        stage()
+        self.captures += 1
+
+    def forget(self, stale: Callable[[Hashable], bool]) -> None:
+        """Forget the captures whose keys ``stale`` accepts (their graphs are freed)."""
+        for key in [key for key in self._graphs if stale(key)]:
+            del self._graphs[key]
+        self._warm = {key for key in self._warm if not stale(key)}
 
     def clear(self) -> None:
         """Forget every capture (the buffers they recorded were replaced)."""
         self._graphs.clear()
+        self._warm.clear()
 
     def _capture_cuda(self, stage: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """Record ``stage`` (which has just run for real: that was its warm-up).

@@ -47,6 +47,8 @@ from specselect.verify_tree import TreeVerdict, tree_greedy_verify, tree_rejecti
 
 #: The phases of a step, timed by its :class:`~specselect.hf.state.PhaseClock`.
 PHASES = ("prepare", "draft", "select", "verify", "finish")
+#: The stage that replays a capturable selector's work with the verify pass.
+SELECT_VERIFY = "select+verify"
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ class Step(abc.ABC):
             clock.lap()
             # The selector sees the caller's rows: their number is part of the captured code.
             self.runner(
-                ("select+verify", state.size, state.batch, plan.key, capture),
+                (SELECT_VERIFY, state.size, state.batch, plan.key, capture),
                 lambda: self._select_verify_update(plan),
             )
         clock.lap()
@@ -153,6 +155,13 @@ class Step(abc.ABC):
         if self.runner.mode == "eager" or self.selector is None:
             return None
         return self.selector.capture_key
+
+    @staticmethod
+    def captured_selector(key: Hashable) -> Hashable | None:
+        """The selector capture key inside a stage key, or ``None`` for the other stages."""
+        if isinstance(key, tuple) and key and key[0] == SELECT_VERIFY:
+            return key[-1]
+        return None
 
     @abc.abstractmethod
     def plan(self) -> Plan:

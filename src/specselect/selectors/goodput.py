@@ -150,7 +150,7 @@ class StepTimes:
 
 def _seconds(method: str, batch: int, tokens: int, value: object) -> float:
     """``value`` as seconds, or a clear error naming the cost model's call."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
             f"cost_model.{method}({batch}, {tokens}) must return a float, got "
             f"{type(value).__name__}"

@@ -125,12 +125,19 @@ class TetrisSelector(Selector):
 
     @property
     def capture_key(self) -> Hashable | None:
-        """The paper's TETRIS (no estimator, no guard) keeps no state and may be captured;
-        with an estimator or a guard, select and update run eagerly, and so they do with the
-        goodput budget, whose device tables are built on the host when first needed."""
-        if self.estimator is not None or self.guard is not None or self._planner is not None:
+        """Its parameters for the paper's TETRIS (no estimator, no guard: no state); with a
+        :attr:`~specselect.estimators.AcceptanceEstimator.capturable` estimator or the guard,
+        also this object's :attr:`capture_token` (their state is its own). ``None`` with an
+        estimator that is not capturable, and with the goodput budget, which plans on the host
+        from :meth:`observe`."""
+        if self._planner is not None:
             return None
-        return (self.name, self.k, self.extra, self.budget)
+        if self.estimator is not None and not self.estimator.capturable:
+            return None
+        key = (self.name, self.k, self.extra, self.budget)
+        if self.estimator is None and self.guard is None:
+            return key
+        return (*key, self.capture_token)
 
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
         # Work with costs (|cumulative log q|, >= +0): abs also turns a -0.0 into +0.0, which is
