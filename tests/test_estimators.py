@@ -65,6 +65,21 @@ def calibration_error(estimator, truth) -> float:
     return float((estimated - truth(q)).abs().mean())
 
 
+@pytest.mark.parametrize("rate", [0.0, 1.0], ids=["never-accepted", "always-accepted"])
+@pytest.mark.parametrize("cls", [RequestHistory, RankingChoice])
+def test_estimates_stay_finite_when_every_draft_fails_or_passes(cls, rate: float) -> None:
+    """A batch that never (or always) accepts decays one of its running counts below float32's
+    range (0.95 per step: 2100 steps); the estimates must stay finite log-probabilities and
+    follow the evidence, and the guard's histograms must keep taking them."""
+    estimator, guard = cls(), RankingGuard()
+    run_stream(estimator, lambda q, rows: torch.full_like(q, rate), steps=2100, guard=guard)
+    estimates = estimator.estimate(torch.full((ROWS, WIDTH), 0.5).log())
+    assert torch.isfinite(estimates).all() and (estimates <= 0).all()
+    p = estimates.exp()
+    assert bool((p < 0.05).all()) if rate == 0 else bool((p > 0.95).all())
+    assert torch.isfinite(guard.auc())
+
+
 def test_observed_outcomes_stop_at_the_first_rejection() -> None:
     tested, passed = observed_outcomes(torch.tensor([3, 3, 0, 2]), torch.tensor([1, 3, 0, 2]), 4)
     assert tested.tolist() == [

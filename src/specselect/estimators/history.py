@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from specselect.constants import cached_constant
-from specselect.estimators.base import AcceptanceEstimator, Cached, check_rows
+from specselect.estimators.base import EPS, AcceptanceEstimator, Cached, check_rows
 from specselect.estimators.calibrated import CalibratedDraft, _check_unit
 
 LOGIT_MAX = 12.0  # the draft-probability feature is clamped to +-LOGIT_MAX (q = 0 or 1 stay finite)
@@ -139,7 +139,10 @@ class RequestHistory(AcceptanceEstimator):
         """Recompute each row's history log-odds and its term of the model, in place (what
         :meth:`learn`'s gradient reads too: the values the estimate used)."""
         assert self._weights is not None and self._batch is not None
-        batch_rate = self._batch[0] / self._batch.sum()  # 0-dim
+        # Kept inside (0, 1): a batch that never (or always) accepts decays one count to 0
+        # (both, if nothing is tested for long), and a rate of exactly 0 or 1 (or 0 / 0) would
+        # give an infinite log-odds, then NaN weights.
+        batch_rate = (self._batch[0] / self._batch.sum().clamp(min=EPS)).clamp(EPS, 1 - EPS)
         accepted = torch.add(slots.counts[0], batch_rate, alpha=self.strength)  # [B, S]
         rejected = torch.add(slots.counts[1], batch_rate, alpha=-self.strength).add_(self.strength)
         torch.sub(accepted.log_(), rejected.log_(), out=slots.history)
