@@ -14,6 +14,7 @@ an EOS id that stops about half of the rows mid-run, and ``generate()``'s greedy
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import weakref
@@ -48,12 +49,17 @@ CONFIGS = {
 }
 
 
+def new_selector(config: str):
+    """A new selector of one of CONFIGS (``None`` for plain decoding)."""
+    spec, _ = CONFIGS[config]
+    return None if spec is None else make_selector(**spec)
+
+
 def run(target, draft, ids, mask, config: str, eos: object, selector=None, **kwargs: object):
     """speculative_generate with one of CONFIGS (MAX_NEW tokens unless given), with a new
     selector unless given one."""
-    spec, tree = CONFIGS[config]
-    if selector is None and spec is not None:
-        selector = make_selector(**spec)
+    _, tree = CONFIGS[config]
+    selector = new_selector(config) if selector is None else selector
     kwargs = {"max_new_tokens": MAX_NEW, "pad_token_id": PAD_ID, **kwargs}
     return speculative_generate(
         target, draft, ids, mask, selector=selector, tree=tree, eos_token_id=eos, **kwargs
@@ -315,35 +321,39 @@ def make_fx_traces_generators() -> bool:
     return True
 
 
-@pytest.mark.skipif(
-    not make_fx_traces_generators(),
-    reason="this torch's make_fx cannot trace a generator argument (CPU trace mode only)",
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param(
+            "cpu",
+            marks=pytest.mark.skipif(
+                not make_fx_traces_generators(),
+                reason="this torch's make_fx cannot trace a generator argument (CPU trace mode)",
+            ),
+        ),
+        pytest.param("cuda", marks=needs_cuda),
+    ],
 )
-def test_emulated_graphs_sample_like_eager_mode() -> None:
-    """With the same generator seed, trace-mode sampling draws the same tokens as eager mode:
-    the stages consume the generator in the same order, captured or not. (Two rows: their
-    batch sizes, 2 then 1, are graph buckets, so both modes draw tensors of the same shapes.)"""
-    target, draft, ids, mask, _, _ = case("llama", 0)
+def test_graphs_sample_like_eager_mode(device: str) -> None:
+    """With the same generator seed, graph mode (CPU: trace mode) samples the same tokens as
+    eager mode: the stages consume the generator in the same order, captured or not, and a
+    replay draws fresh numbers. (Two rows: their batch sizes, 2 then 1, are graph buckets, so
+    both modes draw tensors of the same shapes.) One learning selector serves both calls."""
+    if device == "cuda":
+        target, draft, ids, mask, _, _ = cuda_case(2)
+    else:
+        target, draft, ids, mask, _, _ = case("llama", 0)
+    selector = new_selector("tetris")
 
     def sample(**kwargs: object) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(5)
-        out = run(
-            target,
-            draft,
-            ids[:2],
-            mask[:2],
-            "tetris",
-            [],
-            do_sample=True,
-            generator=generator,
-            **kwargs,
-        )
-        return out.sequences
+        generator = torch.Generator(device=device).manual_seed(5)
+        config = (target, draft, ids[:2], mask[:2], "tetris", [], selector)
+        return run(*config, do_sample=True, generator=generator, **kwargs).sequences
 
-    with emulate_on_cpu():
-        traced = sample(cuda_graphs=True)
+    with emulate_on_cpu() if device == "cpu" else contextlib.nullcontext():
+        graphed = sample(cuda_graphs=True)
     release_workspace(target)
-    assert torch.equal(traced, sample(cuda_graphs=False))
+    assert torch.equal(graphed, sample(cuda_graphs=False))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -447,8 +457,9 @@ def test_cuda_graphs_match_eager_and_generate(config: str, rows: int) -> None:
     batches on and between buckets, with rows retiring mid-run; a repeated call replays."""
     target, draft, ids, mask, eos, reference = cuda_case(rows)
     eager = run(target, draft, ids, mask, config, eos, cuda_graphs=False)
-    graphed = run(target, draft, ids, mask, config, eos, cuda_graphs=True)
-    again = run(target, draft, ids, mask, config, eos, cuda_graphs=True)
+    selector = new_selector(config)  # one for both graph calls: a learning one owns its graphs
+    graphed = run(target, draft, ids, mask, config, eos, selector, cuda_graphs=True)
+    again = run(target, draft, ids, mask, config, eos, selector, cuda_graphs=True)
     release_workspace(target)
     assert graphed.stats.mode == "cuda" and graphed.stats.captures > 0
     assert torch.equal(eager.sequences, reference)
