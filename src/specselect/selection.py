@@ -351,7 +351,11 @@ class Selector(abc.ABC):
     @property
     def last_scores(self) -> Tensor | None:
         """``[B, K]`` the log-scores the last :meth:`select` ranked: the estimator's estimates
-        of the acceptance log-probabilities, or the draft log-probs without an estimator."""
+        of the acceptance log-probabilities, or the draft log-probs without an estimator.
+
+        A diagnostic for eager loops: when a loop replays :meth:`select` from a CUDA graph,
+        this is the tensor the capture recorded, in the graph's memory, which later graphs may
+        reuse."""
         return None if self._last is None else self._last.scores
 
     def _follow_requests(self, request_ids: Tensor) -> None:
