@@ -151,10 +151,13 @@ class RequestHistory(AcceptanceEstimator):
         torch.addmv(bias, slots.history, weights, out=slots.row_terms)
 
     def _token_features(self, draft_logprobs: Tensor, positions: Tensor | None) -> Tensor:
-        """``[3, B, K]``: the draft's log-odds, the calibrated log-odds, position / 8."""
+        """``[3, B, K]``: the draft's log-odds, the calibrated log-odds, position / 8, in the
+        model's float32 whatever the input's dtype (float64 features would not multiply the
+        float32 weights; half-precision ones are widened exactly)."""
         q = draft_logprobs.exp()
+        calibrated = self.calibration.logits(draft_logprobs, positions, q=q)  # [B, K] float32
         draft = (draft_logprobs - torch.log1p(-q)).clamp_(-LOGIT_MAX, LOGIT_MAX)  # [B, K]
-        calibrated = self.calibration.logits(draft_logprobs, positions, q=q)  # [B, K]
+        draft = draft.to(calibrated.dtype)
         if positions is None:  # chains: one position per column
             key = ("history_columns", draft_logprobs.shape[1], draft_logprobs.device)
             position = cached_constant(key, _scaled_columns).expand(draft.shape)
