@@ -139,10 +139,14 @@ class RequestHistory(AcceptanceEstimator):
         """Recompute each row's history log-odds and its term of the model, in place (what
         :meth:`learn`'s gradient reads too: the values the estimate used)."""
         assert self._weights is not None and self._batch is not None
-        # Kept inside (0, 1): a batch that never (or always) accepts decays one count to 0
-        # (both, if nothing is tested for long), and a rate of exactly 0 or 1 (or 0 / 0) would
-        # give an infinite log-odds, then NaN weights.
-        batch_rate = (self._batch[0] / self._batch.sum().clamp(min=EPS)).clamp(EPS, 1 - EPS)
+        # Kept inside (0, 1): a batch that never (or always) accepts decays one count to 0,
+        # and a rate of exactly 0 or 1 would give an infinite log-odds, then NaN weights. Steps
+        # that test nothing (every row inactive) decay both counts alike, which leaves their
+        # ratio as it was: the exact ratio, however small the counts (a floor on the total
+        # turned ~330 such steps into a rate near 0); the prior's if nothing is left at all.
+        total = self._batch.sum()
+        batch_rate = torch.where(total > 0, self._batch[0] / total, _BATCH_PRIOR[0])
+        batch_rate = batch_rate.clamp(EPS, 1 - EPS)
         accepted = torch.add(slots.counts[0], batch_rate, alpha=self.strength)  # [B, S]
         rejected = torch.add(slots.counts[1], batch_rate, alpha=-self.strength).add_(self.strength)
         torch.sub(accepted.log_(), rejected.log_(), out=slots.history)
