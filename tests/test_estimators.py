@@ -3,6 +3,7 @@ default's choice between the draft's ranking and a learned one, and capture in a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -615,6 +616,8 @@ def test_synthetic_traces_replay_consistently() -> None:
         ({"calibration": "perfect"}, "calibration"),
         ({"calibration": "calibrated", "requests": 0}, "requests"),
         ({"calibration": "calibrated", "request_spread": -1.0}, "request_spread"),
+        ({"calibration": "calibrated", "token_spread": math.inf}, "token_spread"),
+        ({"calibration": "calibrated", "mean": math.nan}, "mean"),
     ],
 )
 def test_synthetic_traces_reject_bad_arguments(kwargs: dict, match: str) -> None:
