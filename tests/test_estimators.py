@@ -3,6 +3,7 @@ default's choice between the draft's ranking and a learned one, and capture in a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -78,6 +79,52 @@ def test_estimates_stay_finite_when_every_draft_fails_or_passes(cls, rate: float
     p = estimates.exp()
     assert bool((p < 0.05).all()) if rate == 0 else bool((p > 0.95).all())
     assert torch.isfinite(guard.auc())
+
+
+def remembering_history() -> RequestHistory:
+    """A history whose calibration never forgets (so that only the batch rate could move)."""
+    return RequestHistory(CalibratedDraft(decay=1.0))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [remembering_history, lambda: RankingChoice(remembering_history(), decay=0.9)],
+    ids=["history", "choice"],
+)
+def test_an_idle_stretch_keeps_what_was_learned(
+    make: Callable[[], RequestHistory | RankingChoice],
+) -> None:
+    """Steps that test nothing (every row inactive) decay the evidence without changing its
+    ratios. After 400 of them (the batch's counts below 1e-4; the choice's tested count below
+    1e-12) the estimates and the reported log-losses are those after 200, which fell below
+    neither (a floor on those totals made every history estimate collapse)."""
+    estimator = make()
+    gen = run_stream(estimator, under_confident, steps=100)
+    logprobs = torch.rand(ROWS, WIDTH, generator=gen).log()
+    nothing = torch.zeros(ROWS, WIDTH, dtype=torch.bool)
+    snapshots = []
+    for _ in range(2):
+        for _ in range(200):
+            estimator.learn(logprobs, nothing, nothing)
+        losses = estimator.log_losses() if isinstance(estimator, RankingChoice) else None
+        snapshots.append((estimator.estimate(logprobs), losses))
+    (estimates, losses), (later_estimates, later_losses) = snapshots
+    assert torch.allclose(later_estimates, estimates, atol=1e-4)
+    if losses is not None:
+        assert torch.allclose(later_losses, losses, rtol=1e-4) and bool((losses > 0).all())
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0], ids=["never-accepted", "always-accepted"])
+def test_guard_keeps_its_verdict_while_one_outcome_fades(rate: float) -> None:
+    """Once a batch stops failing (or passing), that outcome's histogram decays towards
+    float32's smallest values (decay 0.9: 400 steps; the default 0.99 takes ~4500); the AUC is
+    still the ratio of what is left, not ~0 (an inverted ranking, which made the guard fall
+    back)."""
+    guard = RankingGuard(decay=0.9)
+    run_stream(DraftProbability(), under_confident, steps=100, guard=guard)
+    assert float(guard.auc()) > 0.6
+    run_stream(DraftProbability(), lambda q, rows: torch.full_like(q, rate), 400, 1, guard)
+    assert float(guard.auc()) > guard.min_auc and bool(guard.trusted())
 
 
 def test_observed_outcomes_stop_at_the_first_rejection() -> None:
@@ -569,6 +616,8 @@ def test_synthetic_traces_replay_consistently() -> None:
         ({"calibration": "perfect"}, "calibration"),
         ({"calibration": "calibrated", "requests": 0}, "requests"),
         ({"calibration": "calibrated", "request_spread": -1.0}, "request_spread"),
+        ({"calibration": "calibrated", "token_spread": math.inf}, "token_spread"),
+        ({"calibration": "calibrated", "mean": math.nan}, "mean"),
     ],
 )
 def test_synthetic_traces_reject_bad_arguments(kwargs: dict, match: str) -> None:

@@ -87,12 +87,16 @@ def test_every_registered_selector_has_kwargs() -> None:
 
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("with_active", [False, True])
-def test_contract(name: str, with_active: bool, check_prefix_selection) -> None:
-    """Valid prefix selections over a few steps with feedback in between."""
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str
+)
+def test_contract(name: str, with_active: bool, dtype: torch.dtype, check_prefix_selection) -> None:
+    """Valid prefix selections over a few steps with feedback in between, from log-probs of
+    any floating dtype (the learned estimators keep float32 state)."""
     selector = make(name)
     active = ACTIVE if with_active else None
     for step in range(3):
-        logprobs = drafted(selector, seed=step)
+        logprobs = drafted(selector, seed=step).to(dtype)
         selection = selector.select(logprobs, active)
         check_prefix_selection(selection, logprobs)
         assert int(selection.lengths[0]) <= 1, "took a token after a -inf"

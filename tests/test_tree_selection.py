@@ -18,6 +18,7 @@ from specselect import (
     DSDSelector,
     FixedWindowSelector,
     HeuristicSelector,
+    TetrisSelector,
     ThresholdSelector,
 )
 from specselect.cost import CostModel
@@ -118,6 +119,28 @@ def test_chain_trees_reproduce_the_flat_selection(rows: int, width: int, k: int,
         tree = selector.select(logprobs, parents=parents)
         assert torch.equal(flat.mask, tree.mask)
         assert torch.equal(flat.lengths, tree.lengths)
+
+
+# A chain-shaped tree whose last token is certain (log q = 0). Pointer jumping sums node 3's
+# path as (x3 + x2) + (x1 + x0) and node 2's as (x2 + x1) + x0: float32 puts node 3 an ulp above.
+CERTAIN_LAST = torch.tensor([[-0.8689103126525879, -0.5925653576850891, -0.04841522127389908, 0.0]])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: FixedWindowSelector(3),
+        lambda: paper_tetris(k=3, extra=1),
+        lambda: TetrisSelector(k=1, extra=3, budget=3),  # the default estimator and guard
+    ],
+    ids=["fixed", "tetris-paper", "tetris-default"],
+)
+def test_a_certain_child_never_outranks_its_parent(make) -> None:
+    parents = chain_parents(1, 4)
+    sums = path_sums(CERTAIN_LAST, parents)
+    assert sums[0, 3] > sums[0, 2], "the input no longer shows the rounding this test is about"
+    selection = make().select(CERTAIN_LAST, parents=parents)
+    assert selection.mask.tolist() == [[True, True, True, False]]
 
 
 def test_path_sums_agree_with_the_ancestor_matrix() -> None:

@@ -38,7 +38,7 @@ from specselect.estimators import (
     tree_outcomes,
 )
 from specselect.topc import top_c_mask as top_c_mask  # public here too
-from specselect.tree import check_parents, path_sums
+from specselect.tree import check_parents, path_minima, path_sums
 
 NEG_INF = float("-inf")
 _CAPTURE_TOKENS = itertools.count()  # see Selector.capture_token
@@ -110,6 +110,24 @@ def chain_scores(draft_logprobs: Tensor) -> Tensor:
     """
     dtype = torch.promote_types(draft_logprobs.dtype, torch.float32)
     return draft_logprobs.cumsum(dim=1, dtype=dtype)
+
+
+def tree_scores(draft_logprobs: Tensor, parents: Tensor) -> Tensor:
+    """Cumulative log draft probability of each draft-tree node's root path.
+
+    Args:
+        draft_logprobs: ``[B, N]`` log q of each node (``-inf`` = never select it or below it).
+        parents: ``[B, N]`` int64 checked parents (see :mod:`specselect.tree`).
+
+    Returns:
+        ``[B, N]`` float scores (float32 or wider), never above the parent's. Pointer jumping
+        (:func:`~specselect.tree.path_sums`) adds a node's path in another order than its
+        parent's, so float rounding can put a child whose log q is 0 or tiny (a certain draft
+        token) an ulp *above* its parent; the budgeted selections, which rely on the order for
+        closure under ancestors, would then take the child without its parent. The running
+        minimum down each path restores the order; ``min`` is exact, so it changes nothing else.
+    """
+    return path_minima(path_sums(draft_logprobs, parents), parents)
 
 
 def available_lengths(draft_logprobs: Tensor) -> Tensor:

@@ -85,7 +85,10 @@ class RankingChoice(AcceptanceEstimator):
         """``[2]`` recent log-loss per tested token of the draft's probability and of the
         learned estimate (decayed averages; 0 before any evidence)."""
         stats = self._state(torch.device(device))
-        return stats[:TESTED] / stats[TESTED].clamp(min=1e-12)
+        # The exact ratio however far the counts decayed (steps that test nothing shrink both
+        # alike); a floor on the count would report ~0 after a long idle stretch.
+        tested = stats[TESTED]
+        return torch.where(tested > 0, stats[:TESTED] / tested, 0.0)
 
     def uses_learned(self, device: torch.device | str = "cpu") -> Tensor:
         """0-dim bool: whether the next estimate is the learned one."""

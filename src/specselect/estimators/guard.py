@@ -34,7 +34,10 @@ def histogram_auc(histograms: Tensor) -> Tensor:  # [2, BINS] -> 0-dim
     below = torch.sub(torch.cumsum(hist_fail, 0), hist_fail, alpha=0.5)  # [BINS]
     wins = torch.dot(hist_pass, below)
     pairs = histograms.sum(dim=1).prod()
-    return torch.where(pairs > 0, wins / pairs.clamp(min=1e-12), 0.5)
+    # The exact ratio however few pairs are left: a batch that keeps accepting everything
+    # decays the failures towards float32's smallest values, and a floor on ``pairs`` would
+    # turn their AUC into ~0 (a ranking that looks inverted) long before they are empty.
+    return torch.where(pairs > 0, wins / pairs, 0.5)  # 0 / 0 where empty: not taken
 
 
 class RankingGuard:

@@ -139,10 +139,14 @@ class RequestHistory(AcceptanceEstimator):
         """Recompute each row's history log-odds and its term of the model, in place (what
         :meth:`learn`'s gradient reads too: the values the estimate used)."""
         assert self._weights is not None and self._batch is not None
-        # Kept inside (0, 1): a batch that never (or always) accepts decays one count to 0
-        # (both, if nothing is tested for long), and a rate of exactly 0 or 1 (or 0 / 0) would
-        # give an infinite log-odds, then NaN weights.
-        batch_rate = (self._batch[0] / self._batch.sum().clamp(min=EPS)).clamp(EPS, 1 - EPS)
+        # Kept inside (0, 1): a batch that never (or always) accepts decays one count to 0,
+        # and a rate of exactly 0 or 1 would give an infinite log-odds, then NaN weights. Steps
+        # that test nothing (every row inactive) decay both counts alike, which leaves their
+        # ratio as it was: the exact ratio, however small the counts (a floor on the total
+        # turned ~330 such steps into a rate near 0); the prior's if nothing is left at all.
+        total = self._batch.sum()
+        batch_rate = torch.where(total > 0, self._batch[0] / total, _BATCH_PRIOR[0])
+        batch_rate = batch_rate.clamp(EPS, 1 - EPS)
         accepted = torch.add(slots.counts[0], batch_rate, alpha=self.strength)  # [B, S]
         rejected = torch.add(slots.counts[1], batch_rate, alpha=-self.strength).add_(self.strength)
         torch.sub(accepted.log_(), rejected.log_(), out=slots.history)
@@ -151,10 +155,13 @@ class RequestHistory(AcceptanceEstimator):
         torch.addmv(bias, slots.history, weights, out=slots.row_terms)
 
     def _token_features(self, draft_logprobs: Tensor, positions: Tensor | None) -> Tensor:
-        """``[3, B, K]``: the draft's log-odds, the calibrated log-odds, position / 8."""
+        """``[3, B, K]``: the draft's log-odds, the calibrated log-odds, position / 8, in the
+        model's float32 whatever the input's dtype (float64 features would not multiply the
+        float32 weights; half-precision ones are widened exactly)."""
         q = draft_logprobs.exp()
+        calibrated = self.calibration.logits(draft_logprobs, positions, q=q)  # [B, K] float32
         draft = (draft_logprobs - torch.log1p(-q)).clamp_(-LOGIT_MAX, LOGIT_MAX)  # [B, K]
-        calibrated = self.calibration.logits(draft_logprobs, positions, q=q)  # [B, K]
+        draft = draft.to(calibrated.dtype)
         if positions is None:  # chains: one position per column
             key = ("history_columns", draft_logprobs.shape[1], draft_logprobs.device)
             position = cached_constant(key, _scaled_columns).expand(draft.shape)

@@ -35,6 +35,7 @@ covers ``t + j``, so that the run lengths of overlapping windows are consistent.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -117,9 +118,12 @@ def synthetic_traces(
     n = check_int("requests", requests, minimum=1)
     length = check_int("length", length, minimum=1)
     width = check_int("width", width, minimum=1)
+    # Finite: a NaN (or an infinite spread times a zero draw) would write NaN log-probs.
+    if not math.isfinite(mean):
+        raise ValueError(f"mean must be a finite float, got {mean}")
     for name, value in (("request_spread", request_spread), ("token_spread", token_spread)):
-        if not value >= 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite float >= 0, got {value}")
     g = torch.Generator().manual_seed(seed)
     total = length + width
     offsets = request_spread * torch.randn(n, 1, generator=g)  # [N, 1]

@@ -7,9 +7,14 @@ from collections.abc import Hashable
 from torch import Tensor
 
 from specselect._checks import check_int
-from specselect.selection import Selection, Selector, available_lengths, mask_inactive
+from specselect.selection import (
+    Selection,
+    Selector,
+    available_lengths,
+    mask_inactive,
+    tree_scores,
+)
 from specselect.topc import cheapest_per_row
-from specselect.tree import path_sums
 
 
 class FixedWindowSelector(Selector):
@@ -43,5 +48,5 @@ class FixedWindowSelector(Selector):
     def _select_tree(
         self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor, depth: Tensor
     ) -> Selection:
-        mask = cheapest_per_row(path_sums(draft_logprobs, parents).neg(), self.k)
+        mask = cheapest_per_row(tree_scores(draft_logprobs, parents).neg(), self.k)
         return Selection.from_mask(mask, active)

@@ -24,6 +24,7 @@ from specselect.selection import (
     Selector,
     chain_scores,
     estimator_kwargs,
+    tree_scores,
     window_grid_kwargs,
 )
 from specselect.selectors.fixed import FixedWindowSelector
@@ -35,7 +36,6 @@ from specselect.selectors.goodput import (
     default_costs,
 )
 from specselect.topc import cheapest_counts, cheapest_mask
-from specselect.tree import path_sums
 
 
 class TetrisSelector(Selector):
@@ -151,7 +151,7 @@ class TetrisSelector(Selector):
     ) -> Selection:
         # A tree's draft passes are its depth: a device value, which the goodput tables index.
         passes = depth.amax() if depth.numel() else 0
-        best = self._best(path_sums(draft_logprobs, parents).abs_(), active, passes)
+        best = self._best(tree_scores(draft_logprobs, parents).abs_(), active, passes)
         return self._guarded(
             best, lambda: self._fallback._select_tree(draft_logprobs, active, parents, depth)
         )
