@@ -205,6 +205,43 @@ def test_greedy_tree_cases_cover_both_endings(selector_name: str) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("selector_name", "rows", "widest"),
+    [("fixed", 8, 3), ("tetris-paper", 1, 3), ("tetris-paper", 8, TREE.num_nodes)],
+)
+def test_tree_verify_pass_sends_only_what_can_be_selected(
+    selector_name: str, rows: int, widest: int
+) -> None:
+    """The target's tree pass holds the root and the nodes a row may select: ``k`` for fixed
+    SD, ``k * active`` for TETRIS when the tree has more nodes (one row), the whole tree
+    otherwise; the output stays generate()'s."""
+    target, draft, ids, mask, eos, reference = case("llama", 0)
+    widths: list[int] = []
+    forward = ModelCache.forward
+
+    def spy(self: ModelCache, input_ids: torch.Tensor, *args: object, **kwargs: object):
+        # (The cache holds a weak proxy of the model: compare what it delegates to.)
+        if self.handle.model.config is target.config and kwargs.get("block_mask") is not None:
+            widths.append(input_ids.shape[1])
+        return forward(self, input_ids, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ModelCache, "forward", spy)
+        out = speculative_generate(
+            target,
+            draft,
+            ids[:rows],
+            mask[:rows],
+            selector=SELECTORS[selector_name](),
+            max_new_tokens=MAX_NEW,
+            eos_token_id=eos,
+            pad_token_id=PAD_ID,
+            tree=TREE,
+        )
+    assert torch.equal(out.sequences, reference[:rows])
+    assert max(widths) == 1 + widest
+
+
 @pytest.mark.parametrize("max_new", [1, 2, 5])
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_short_generations_cut_the_tree(max_new: int, do_sample: bool) -> None:

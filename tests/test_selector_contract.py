@@ -76,6 +76,10 @@ def accepted_for(selection: Selection, seed: int) -> torch.Tensor:
     return (lengths * fraction).floor().to(torch.int64).to(selection.lengths.device)
 
 
+def num_active(active: torch.Tensor | None) -> int:
+    return BATCH if active is None else int(active.sum())
+
+
 def test_every_registered_selector_has_kwargs() -> None:
     missing = sorted(set(SELECTORS) - set(SELECTOR_KWARGS))
     assert not missing, f"add constructor arguments for {missing} to SELECTOR_KWARGS"
@@ -97,8 +101,10 @@ def test_contract(name: str, with_active: bool, dtype: torch.dtype, check_prefix
     active = ACTIVE if with_active else None
     for step in range(3):
         logprobs = drafted(selector, seed=step).to(dtype)
+        bound = selector.max_selected(logprobs.shape[1], num_active(active))
         selection = selector.select(logprobs, active)
         check_prefix_selection(selection, logprobs)
+        assert int(selection.lengths.max()) <= bound, "max_selected() is no bound"
         assert int(selection.lengths[0]) <= 1, "took a token after a -inf"
         assert int(selection.lengths[3]) == 0, "took a -inf token"
         if active is not None:
@@ -243,7 +249,9 @@ def test_tree_contract(name: str, with_active: bool) -> None:
     active = ACTIVE if with_active else None
     for step in range(4):
         parents, logprobs = random_tree(seed=step)
+        bound = selector.max_selected(logprobs.shape[1], num_active(active))
         selection = selector.select(logprobs, active, parents=parents)
+        assert int(selection.lengths.max()) <= bound, "max_selected() is no bound"
         assert selection.mask.shape == logprobs.shape and selection.mask.dtype == torch.bool
         assert selection.lengths.dtype == torch.int64
         assert torch.equal(selection.lengths, selection.mask.sum(dim=1))

@@ -176,6 +176,15 @@ class Selector(abc.ABC):
     def draft_length(self, num_active: int) -> int:
         """Tokens to draft per active request this step, given ``num_active`` active requests."""
 
+    def max_selected(self, width: int, num_active: int) -> int:
+        """At most how many of a row's ``width`` drafted tokens (draft-tree nodes) the next
+        :meth:`select` selects, with ``num_active`` active rows: a bound known on the host.
+
+        A loop sizes its verification pass with it (static shapes, no sync): a draft tree's
+        unselected nodes need not be sent to the target. Default: ``width``.
+        """
+        return width
+
     def select(
         self,
         draft_logprobs: Tensor,

@@ -327,11 +327,15 @@ class TreeStep(Step):
         # drafts a chain); deeper nodes than a row's remaining tokens are unemittable.
         window = check_int("selector.draft_length()", self.selector.draft_length(state.num_active))
         depth = min(self.tree.depth, window, state.most_remaining - 1)
-        key = ("tree", depth, drafter.width)
         if depth == 0:  # no row can emit a draft token: a plain step
-            return Plan(0, 1, drafter.footprint(0), key)
+            return Plan(0, 1, drafter.footprint(0), ("tree", 0, drafter.width, 0))
         spec = replace(self.tree, depth=depth)
-        return Plan(depth, 1 + spec.num_nodes, drafter.tree_footprint(spec), key)
+        # The verify pass sends the nodes a row may select (the selector's host bound), not
+        # the whole tree: the holes would cost compute where a pass is compute-bound.
+        bound = self.selector.max_selected(spec.num_nodes, state.num_active)
+        sent = min(spec.num_nodes, check_int("selector.max_selected()", bound))
+        key = ("tree", depth, drafter.width, sent)
+        return Plan(depth, 1 + sent, drafter.tree_footprint(spec), key)
 
     def draft(self, plan: Plan) -> None:
         state = self.state
@@ -364,10 +368,13 @@ class TreeStep(Step):
             state.active_rows(),
             parents=state.to_full(parents, -1),
         )
-        # A selector that broke its contract must not verify nodes no row can emit.
+        # A selector that broke its contract must not verify nodes no row can emit, nor more
+        # nodes than the verify pass holds (the first ones in index order stay closed under
+        # ancestors: parents come first).
         usable = path_sums(scores, parents) > NEG_INF
         selected = state.to_slots(self.selection.mask) & usable & state.active[:size].unsqueeze(1)
-        self._io("selected", (size, nodes), torch.bool).copy_(selected)
+        within = selected.to(torch.int64).cumsum(dim=1) <= plan.target_columns - 1  # [b, N]
+        self._io("selected", (size, nodes), torch.bool).copy_(selected & within)
 
     def verify(self, plan: Plan) -> None:
         if plan.width == 0:
@@ -378,17 +385,24 @@ class TreeStep(Step):
         tree, buffers = self._trees(plan)
         selected = self._io("selected", (size, nodes), torch.bool)
         active = state.active[:size].unsqueeze(1)
+        # The block: the root and every node, or the root and the W nodes sent.
+        sent = _sent_nodes(selected, plan.target_columns - 1)  # [b, W + 1] or None
         root = torch.zeros(size, 1, dtype=torch.int64, device=state.device)
+        ids = torch.cat([state.pending[:size].unsqueeze(1), tree.tokens], dim=1)  # [b, N + 1]
+        valid = torch.cat([active, selected & active], dim=1)  # [b, N + 1]
+        depth = torch.cat([root, tree.depth], dim=1)  # [b, N + 1]
         logits = state.target.forward(
-            torch.cat([state.pending[:size].unsqueeze(1), tree.tokens], dim=1),
-            torch.cat([active, selected & active], dim=1),
-            depth=torch.cat([root, tree.depth], dim=1),
-            block_mask=buffers.attention_mask(),
-        ).to(state.device)  # [b, N + 1, V]
+            _pick(ids, sent),
+            _pick(valid, sent),
+            depth=_pick(depth, sent),
+            block_mask=_pick_square(buffers.attention_mask(), sent),
+        ).to(state.device)  # [b, W + 1, V]
+        logits = _place(logits, sent, nodes + 1)  # [b, N + 1, V]
         verdict = self._verdict(tree, buffers, selected, logits, plan.width)
         node_ids = torch.arange(nodes, device=state.device)
         on_path = (node_ids.view(1, -1, 1) == verdict.path.unsqueeze(1)).any(dim=2)  # [b, N]
-        state.target.commit(torch.cat([torch.ones_like(active), on_path], dim=1))
+        kept = torch.cat([torch.ones_like(active), on_path], dim=1)  # [b, N + 1]
+        state.target.commit(_pick(kept, sent))
         drafter = self._drafter()
         d = drafter.handle.device
         drafter.advance_tree(
@@ -498,6 +512,43 @@ class TreeStep(Step):
         is_eos = self.state.is_eos(tree.tokens)  # [b, N]
         cut = cut | (buffers.ancestors & ~eye & is_eos.unsqueeze(1)).any(dim=2)
         return scores.masked_fill(cut, NEG_INF)
+
+
+def _sent_nodes(selected: Tensor, width: int) -> Tensor | None:  # [b, N] -> [b, width + 1]
+    """Columns of ``[root, N nodes]`` a tree's verify pass sends, or ``None`` for all of them
+    (``width == N``): the root, then ``width`` nodes, the selected ones first and each group
+    in index order (a stable sort), so that parents still come before their children."""
+    rows, nodes = selected.shape
+    if width == nodes:
+        return None
+    order = torch.sort((~selected).to(torch.int8), dim=1, stable=True).indices  # [b, N]
+    root = torch.zeros(rows, 1, dtype=torch.int64, device=selected.device)
+    return torch.cat([root, order[:, :width] + 1], dim=1)
+
+
+def _pick(values: Tensor, sent: Tensor | None) -> Tensor:  # [b, M] -> [b, W]
+    """The columns ``sent`` of ``values`` (all of them for ``None``)."""
+    return values if sent is None else values.gather(1, sent)
+
+
+def _pick_square(mask: Tensor, sent: Tensor | None) -> Tensor:  # [b, M, M] -> [b, W, W]
+    """``mask[b][sent[b]][:, sent[b]]``: the sub-matrix among the columns sent."""
+    if sent is None:
+        return mask
+    rows, width = sent.shape
+    size = mask.shape[1]
+    picked = mask.gather(1, sent.unsqueeze(2).expand(rows, width, size))  # [b, W, M]
+    return picked.gather(2, sent.unsqueeze(1).expand(rows, width, width))
+
+
+def _place(values: Tensor, sent: Tensor | None, size: int) -> Tensor:  # -> [b, size, V]
+    """``[b, W, V]`` values of the columns ``sent`` placed among ``size`` columns of zeros
+    (the columns not sent: unselected nodes, whose logits no verification reads)."""
+    if sent is None:
+        return values
+    rows, width, vocab = values.shape
+    placed = values.new_zeros(rows, size, vocab)
+    return placed.scatter_(1, sent.unsqueeze(2).expand(rows, width, vocab), values)
 
 
 def _selection_scores(chain: DraftChain) -> Tensor:  # -> [b, k]

@@ -36,6 +36,9 @@ class FixedWindowSelector(Selector):
         check_int("num_active", num_active)
         return self.k
 
+    def max_selected(self, width: int, num_active: int) -> int:
+        return min(width, self.k)
+
     @property
     def capture_key(self) -> Hashable:
         """Stateless: the window is all a captured selection depends on."""

@@ -123,6 +123,15 @@ class TetrisSelector(Selector):
             return self._planner.depth(num_active)
         return self.k + self.extra
 
+    def max_selected(self, width: int, num_active: int) -> int:
+        """``width``, or the budget when smaller: ``C`` itself, or ``k · num_active`` (what
+        the active rows share when ``width >= k``; inactive rows absorb the rest)."""
+        if self._planner is not None:
+            return width
+        if isinstance(self.budget, int):
+            return min(width, self.budget)
+        return width if width < self.k else min(width, self.k * num_active)
+
     @property
     def capture_key(self) -> Hashable | None:
         """Its parameters for the paper's TETRIS (no estimator, no guard: no state); with a
