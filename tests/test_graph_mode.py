@@ -19,7 +19,7 @@ import copy
 import gc
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TypeVar
 
 import pytest
@@ -27,7 +27,7 @@ import torch
 
 import specselect.hf.generate as hf_generate
 from hf_models import EOS_ID, PAD_ID, left_padded_prompts, tiny_pair
-from specselect import make_selector
+from specselect import FixedWindowSelector, make_selector
 from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, speculative_generate
 from specselect.hf.compat import ModelHandle, graph_obstacle
 from specselect.hf.generate import HOST_READS_PER_STEP, graph_mode, release_workspace
@@ -292,6 +292,41 @@ def test_a_busy_workspace_is_not_shared() -> None:
     assert torch.equal(out.sequences, reference[3:6])
     assert torch.equal(again.sequences, reference[3:6])
     assert again.stats.captures < out.stats.captures  # the kept workspace, free again
+
+
+class _BrokenCaptureKey(FixedWindowSelector):
+    """A selector whose capture_key raises (a user's bug)."""
+
+    @property
+    def capture_key(self) -> Hashable:
+        raise RuntimeError("broken capture_key")
+
+
+def test_a_call_that_fails_to_set_up_releases_the_workspace() -> None:
+    """A call that raises while choosing its workspace (here: the selector's capture_key)
+    leaves no workspace locked: the next call reuses the kept one instead of capturing in a
+    workspace of its own every time."""
+    target, draft, ids, mask, eos, reference = case("llama", 0)
+    release_workspace(target)
+    with emulate_on_cpu():
+        with pytest.raises(RuntimeError, match="broken capture_key"):
+            run(
+                target,
+                draft,
+                ids[:3],
+                mask[:3],
+                "fixed",
+                eos,
+                _BrokenCaptureKey(3),
+                cuda_graphs=True,
+            )
+        kept = hf_generate._WORKSPACES.get(target)
+        assert kept is None or not kept.lock.locked()
+        run(target, draft, ids[:3], mask[:3], "fixed", eos, cuda_graphs=True)
+        again = run(target, draft, ids[:3], mask[:3], "fixed", eos, cuda_graphs=True)
+    release_workspace(target)
+    assert torch.equal(again.sequences, reference[:3])
+    assert again.stats.captures == 0  # the kept workspace's graphs, replayed
 
 
 def test_a_kept_workspace_keeps_the_captures_of_the_last_selectors() -> None:

@@ -362,14 +362,14 @@ class _Workspace:
     #: Held by the call using it: a concurrent call on the same target gets its own workspace.
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def retain(self, selector: Selector | None) -> None:
-        """Keep the captures of the last :data:`KEPT_SELECTORS` capturable selectors.
+    def retain(self, capture: Hashable | None) -> None:
+        """Keep the captures of the last :data:`KEPT_SELECTORS` capturable selectors
+        (``capture``: this call's selector's capture key).
 
         A stateful selector's captures are its own (its key holds its
         :attr:`~specselect.selection.Selector.capture_token`): a loop that gets a new selector
         every call would otherwise keep every old one's verify graphs.
         """
-        capture = None if selector is None else selector.capture_key
         if capture is None or capture in self.selectors:
             return
         self.selectors.append(capture)
@@ -452,6 +452,9 @@ class _Loop:
         call: the target's kept workspace when it serves this call (graph mode) and no other
         call is using it, else a new one (kept in graph mode unless the kept one is busy)."""
         graphs = self.mode != "eager"
+        # Read before any lock is taken (a selector's property may raise, and a lock taken
+        # here is released only once the call is under way); eager mode never reads it.
+        capture = self.selector.capture_key if graphs and self.selector is not None else None
         batch, prompt = input_ids.shape
         layout = self._layout(batch, prompt, graphs)
         key = (
@@ -473,7 +476,7 @@ class _Loop:
                 and kept.runner.mode == self.mode  # not fallen back to eager mode
             ):
                 kept.runner.fall_back = self.fall_back
-                kept.retain(self.selector)
+                kept.retain(capture)
                 return kept
             kept.lock.release()
             # Replaced: free the old buffers before allocating.
@@ -486,7 +489,7 @@ class _Loop:
         workspace.lock.acquire()
         if graphs and not busy:
             _WORKSPACES[self.target.model] = workspace
-            workspace.retain(self.selector)
+            workspace.retain(capture)
         return workspace
 
     def _layout(self, batch: int, prompt: int, graphs: bool) -> Layout:
