@@ -623,3 +623,39 @@ def test_synthetic_traces_replay_consistently() -> None:
 def test_synthetic_traces_reject_bad_arguments(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         synthetic_traces(**kwargs)
+
+
+def learned_tensors(selector: TetrisSelector) -> list[torch.Tensor]:
+    """The default TETRIS's learned state: guard histograms, choice statistics, calibration."""
+    choice = selector.estimator
+    assert isinstance(choice, RankingChoice) and selector.guard is not None
+    calibration = choice.learned.calibration  # type: ignore[attr-defined]
+    return [selector.guard._histograms, choice._stats, calibration._counts]
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda s, device: s.guard.auc(device),
+        lambda s, device: s.guard.trusted(device),
+        lambda s, device: s.estimator.log_losses(device),
+        lambda s, device: s.estimator.uses_learned(device),
+        lambda s, device: s.estimator.learned.calibration.table(device),
+    ],
+    ids=["auc", "trusted", "log_losses", "uses_learned", "table"],
+)
+def test_a_reading_on_another_device_keeps_the_learned_state(read: Callable) -> None:
+    """A diagnostic read on another device than the state's (the CPU by default, for a
+    selector on a GPU; "meta" stands in for it here) copies: it neither discards what was
+    learned nor rebinds the tensors a captured select + update keeps updating in place."""
+    selector = TetrisSelector(2, 1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        selection = selector.select(-torch.rand(3, 3, generator=gen))
+        selector.update(selection, selection.lengths.clamp(max=1))
+    live = learned_tensors(selector)
+    saved = [tensor.clone() for tensor in live]
+    assert read(selector, "meta").device.type == "meta"
+    assert all(a is b for a, b in zip(learned_tensors(selector), live, strict=True))
+    for tensor, before in zip(live, saved, strict=True):
+        assert torch.equal(tensor, before)

@@ -21,6 +21,7 @@ to this says so with :attr:`AcceptanceEstimator.capturable`.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -130,6 +131,16 @@ class Cached:
 
     def clear(self) -> None:
         self._key, self._value = (), None
+
+
+def read_state(
+    live: Tensor | None, device: torch.device, allocate: Callable[[torch.device], Tensor]
+) -> Tensor:
+    """State for a reading on ``device``: the live tensor when it is there (what a captured
+    selection must read), a copy when it lives on another device, ``allocate(device)`` before
+    any. Never a rebinding: a diagnostic read on another device (the CPU by default) must not
+    discard what was learned, nor leave a captured graph updating a tensor nobody holds."""
+    return allocate(device) if live is None else live.to(device)
 
 
 def logit(p: Tensor) -> Tensor:

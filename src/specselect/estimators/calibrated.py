@@ -7,7 +7,7 @@ from torch import Tensor
 
 from specselect._checks import check_int
 from specselect.constants import cached_constant
-from specselect.estimators.base import AcceptanceEstimator, Cached, clamp_log
+from specselect.estimators.base import AcceptanceEstimator, Cached, clamp_log, read_state
 
 
 def _check_unit(name: str, value: float, *, closed_low: bool) -> float:
@@ -99,7 +99,8 @@ class CalibratedDraft(AcceptanceEstimator):
 
     def table(self, device: torch.device | str = "cpu") -> Tensor:
         """``[positions, bins]`` current estimates."""
-        return torch.sigmoid(self._state(torch.device(device))[1]).view(self.positions, self.bins)
+        logits = read_state(self._logits, torch.device(device), lambda d: self._state(d)[1])
+        return torch.sigmoid(logits).view(self.positions, self.bins)
 
     def probabilities(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
         """``[B, K]`` calibrated acceptance probabilities (for other estimators to build on)."""

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_probability
-from specselect.estimators.base import EPS, AcceptanceEstimator, Cached
+from specselect.estimators.base import EPS, AcceptanceEstimator, Cached, read_state
 from specselect.estimators.history import RequestHistory
 
 LOG_EPS = math.log(EPS)  # a token's log-loss is capped at -log(EPS) (a probability-0 mistake)
@@ -81,10 +81,13 @@ class RankingChoice(AcceptanceEstimator):
             self._stats = torch.zeros(3, device=device)
         return self._stats
 
+    def _read(self, device: torch.device) -> Tensor:
+        return read_state(self._stats, device, self._state)
+
     def log_losses(self, device: torch.device | str = "cpu") -> Tensor:
         """``[2]`` recent log-loss per tested token of the draft's probability and of the
         learned estimate (decayed averages; 0 before any evidence)."""
-        stats = self._state(torch.device(device))
+        stats = self._read(torch.device(device))
         # The exact ratio however far the counts decayed (steps that test nothing shrink both
         # alike); a floor on the count would report ~0 after a long idle stretch.
         tested = stats[TESTED]
@@ -92,7 +95,7 @@ class RankingChoice(AcceptanceEstimator):
 
     def uses_learned(self, device: torch.device | str = "cpu") -> Tensor:
         """0-dim bool: whether the next estimate is the learned one."""
-        stats = self._state(torch.device(device))
+        stats = self._read(torch.device(device))
         return stats[LEARNED] < stats[DRAFT] - self.margin * stats[TESTED]
 
     def estimate(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:

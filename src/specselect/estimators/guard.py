@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int, check_probability
+from specselect.estimators.base import read_state
 
 BINS = 64
 """Histogram bins per outcome (passed, failed), equal-width in ``logit p`` over ``[-LOGIT_SPAN,
@@ -85,6 +86,9 @@ class RankingGuard:
             self._histograms = torch.zeros(2, BINS, device=device)
         return self._histograms
 
+    def _read(self, device: torch.device) -> Tensor:
+        return read_state(self._histograms, device, self._state)
+
     def observe(self, estimates: Tensor, tested: Tensor, passed: Tensor) -> None:
         """``[B, K]`` estimated log-probabilities and the step's tested / passed masks."""
         histograms = self._state(estimates.device)
@@ -95,10 +99,10 @@ class RankingGuard:
 
     def auc(self, device: torch.device | str = "cpu") -> Tensor:
         """0-dim AUC of the recent estimates (0.5 when either histogram is empty)."""
-        return histogram_auc(self._state(torch.device(device)))
+        return histogram_auc(self._read(torch.device(device)))
 
     def trusted(self, device: torch.device | str = "cpu") -> Tensor:
         """0-dim bool: too little evidence yet, or AUC >= ``min_auc``."""
-        histograms = self._state(torch.device(device))
+        histograms = self._read(torch.device(device))
         early = histograms.sum() < self.min_observations
         return early | (histogram_auc(histograms) >= self.min_auc)
