@@ -348,6 +348,25 @@ def test_a_kept_workspace_keeps_the_captures_of_the_last_selectors() -> None:
     assert {key[-1] for key in kept} == set(tokens[-hf_generate.KEPT_SELECTORS :])
 
 
+def test_a_selector_used_again_is_kept_before_older_ones() -> None:
+    """The kept captures are those of the selectors used most recently: a long-lived selector
+    used between new ones keeps its graphs (the oldest other selector's go)."""
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    release_workspace(target)
+    long_lived = make_selector("tetris", k=3, extra=2)
+    with emulate_on_cpu(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hf_generate, "KEPT_SELECTORS", 2)
+        for selector in (long_lived, None, long_lived, None):
+            config = (target, draft, ids[:2], mask[:2], "tetris", eos, selector)
+            run(*config, cuda_graphs=True, max_new_tokens=4)
+    workspace = hf_generate._WORKSPACES[target]
+    runner = workspace.runner
+    captured = {Step.captured_selector(key) for key in [*runner._graphs, *runner._warm]}
+    release_workspace(target)
+    assert long_lived.capture_key in workspace.selectors
+    assert long_lived.capture_key in captured
+
+
 def make_fx_traces_generators() -> bool:
     """Whether this torch's make_fx records ops that take a torch.Generator (2.7 does not)."""
     from torch.fx.experimental.proxy_tensor import make_fx

@@ -370,8 +370,10 @@ class _Workspace:
         :attr:`~specselect.selection.Selector.capture_token`): a loop that gets a new selector
         every call would otherwise keep every old one's verify graphs.
         """
-        if capture is None or capture in self.selectors:
+        if capture is None:
             return
+        if capture in self.selectors:  # used again: now the most recent
+            self.selectors.remove(capture)
         self.selectors.append(capture)
         if len(self.selectors) > KEPT_SELECTORS:
             old = self.selectors.pop(0)
