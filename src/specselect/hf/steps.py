@@ -58,7 +58,8 @@ class Plan:
     width: int  # draft length k (chains) or tree depth (trees); 0 = no drafting
     target_columns: int  # cache columns the verify pass writes
     draft_columns: int  # cache columns the draft stage writes
-    key: Hashable  # capture key of both stages (the runner adds the bucket size)
+    key: Hashable  # capture key of both stages (the runner adds the bucket size); the verify
+    # stage's adds ``target_columns``, which only it depends on (a tree's nodes sent)
 
 
 class Step(abc.ABC):
@@ -108,13 +109,14 @@ class Step(abc.ABC):
         if capture is None:
             self.select(plan)
             clock.lap()
-            self.runner(("verify", state.size, plan.key), lambda: self.verify(plan))
+            key = ("verify", state.size, plan.key, plan.target_columns)
+            self.runner(key, lambda: self.verify(plan))
             self.update()
         else:  # selection and feedback are replayed with the verify pass
             clock.lap()
             # The selector sees the caller's rows: their number is part of the captured code.
             self.runner(
-                (SELECT_VERIFY, state.size, state.batch, plan.key, capture),
+                (SELECT_VERIFY, state.size, state.batch, plan.key, plan.target_columns, capture),
                 lambda: self._select_verify_update(plan),
             )
         clock.lap()
@@ -328,13 +330,13 @@ class TreeStep(Step):
         window = check_int("selector.draft_length()", self.selector.draft_length(state.num_active))
         depth = min(self.tree.depth, window, state.most_remaining - 1)
         if depth == 0:  # no row can emit a draft token: a plain step
-            return Plan(0, 1, drafter.footprint(0), ("tree", 0, drafter.width, 0))
+            return Plan(0, 1, drafter.footprint(0), ("tree", 0, drafter.width))
         spec = replace(self.tree, depth=depth)
         # The verify pass sends the nodes a row may select (the selector's host bound), not
         # the whole tree: the holes would cost compute where a pass is compute-bound.
         bound = self.selector.max_selected(spec.num_nodes, state.num_active)
         sent = min(spec.num_nodes, check_int("selector.max_selected()", bound))
-        key = ("tree", depth, drafter.width, sent)
+        key = ("tree", depth, drafter.width)
         return Plan(depth, 1 + sent, drafter.tree_footprint(spec), key)
 
     def draft(self, plan: Plan) -> None:
