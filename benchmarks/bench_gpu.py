@@ -55,7 +55,9 @@ from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from specselect import TreeSpec, make_selector
+from specselect._checks import trusted_values
 from specselect.hf import emulate_on_cpu, release_workspace, speculative_generate
+from specselect.hf.graphs import StageRunner
 from specselect.selectors import SELECTORS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -299,9 +301,6 @@ def selection_cost(
 ) -> tuple[float, float | None, bool]:
     """(eager µs, replayed µs or None, whether every replayed selection equals the eager one)
     per select + update at one batch size; two selectors of ``spec`` see the same steps."""
-    from specselect._checks import trusted_values
-    from specselect.hf.graphs import StageRunner
-
     buffers = SelectionSteps.random(batch, width, steps, device)
     eager, graphed = make_selector(**spec), make_selector(**spec)
     key = graphed.capture_key

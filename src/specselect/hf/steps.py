@@ -375,8 +375,10 @@ class TreeStep(Step):
         # ancestors: parents come first).
         usable = path_sums(scores, parents) > NEG_INF
         selected = state.to_slots(self.selection.mask) & usable & state.active[:size].unsqueeze(1)
-        within = selected.to(torch.int64).cumsum(dim=1) <= plan.target_columns - 1  # [b, N]
-        self._io("selected", (size, nodes), torch.bool).copy_(selected & within)
+        sent = plan.target_columns - 1
+        if sent < nodes:
+            selected = selected & (selected.to(torch.int64).cumsum(dim=1) <= sent)  # [b, N]
+        self._io("selected", (size, nodes), torch.bool).copy_(selected)
 
     def verify(self, plan: Plan) -> None:
         if plan.width == 0:
