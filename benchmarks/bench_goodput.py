@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_estimators import grid_parser, shipped_traces
+from bench_estimators import grid_parser, pair_traces
 
 from specselect import DSDSelector, FixedWindowSelector, TetrisSelector
 from specselect.cost import CostModel, default_cost_model
@@ -144,7 +144,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    traces = shipped_traces(args.max_new_tokens, max(args.k) + max(args.extra), args.traces)
+    traces = pair_traces(args.pair, args.max_new_tokens, max(args.k) + max(args.extra), args.traces)
     if args.replicate > 1:
         traces = replicated(traces, args.replicate)
     print(f"{traces.num_requests} requests, {args.slots} slots, {traces.max_new_tokens} tokens")

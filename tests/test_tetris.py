@@ -597,7 +597,7 @@ def feed(selector: TetrisSelector, steps: int, rows: int, accepted_fraction: flo
 @pytest.mark.parametrize("shape", sorted(COST_SHAPES))
 def test_goodput_depth_follows_acceptance(shape: str) -> None:
     """On the host, from observe(): high acceptance drafts deeper than low acceptance, always
-    within [1, k + extra]; the first choice comes from the prior."""
+    within [0, k + extra]; the first choice comes from the prior."""
     k, extra, rows = 2, 4, 4
     high, low = (
         goodput_tetris(COST_SHAPES[shape], k, extra),
@@ -606,23 +606,50 @@ def test_goodput_depth_follows_acceptance(shape: str) -> None:
     assert high.draft_length(rows) == low.draft_length(rows)  # nothing observed yet
     feed(high, 30, rows, 1.0)
     feed(low, 30, rows, 0.0)
-    assert 1 <= low.draft_length(rows) <= high.draft_length(rows) <= k + extra
+    assert 0 <= low.draft_length(rows) <= high.draft_length(rows) <= k + extra
     assert low.draft_length(rows) < high.draft_length(rows) or shape == "draft-heavy"
 
 
 def test_goodput_depth_extremes() -> None:
     """Certain acceptance and free drafting: the deepest window; no acceptance and drafting
-    that costs: one token; reset forgets the evidence."""
+    that costs: no draft (a plain step), then a probe once the failures have decayed; reset
+    forgets the evidence."""
     free_draft = PassCosts(fixed=1.0, per_row=0.0, knee=1000, beyond=0.0, draft=0.0)
     paid_draft = PassCosts(fixed=1.0, per_row=0.0, knee=1000, beyond=0.0, draft=0.1)
     deep, shallow = goodput_tetris(free_draft, k=2, extra=3), goodput_tetris(paid_draft, 2, 3)
     feed(deep, 20, 4, 1.0)
-    feed(shallow, 60, 4, 0.0)
     assert deep.draft_length(4) == 5
-    assert shallow.draft_length(4) == 1
-    assert shallow.draft_length(0) == 1
+    depths = []
+    for _ in range(60):
+        depths.append(shallow.draft_length(4))
+        shallow.observe([depths[-1]] * 4, [0] * 4)
+    # Depth 1 at most, a third of the steps or more plain (before depth 0 existed, every step
+    # drafted), and probes between them: a plain step learns nothing.
+    assert max(depths[-20:]) == 1
+    assert depths[-20:].count(0) >= 7
+    assert shallow.draft_length(0) == 0
     shallow.reset()  # back to the prior's choice
     assert shallow.draft_length(4) == goodput_tetris(paid_draft, 2, 3).draft_length(4) > 1
+
+
+def test_goodput_depth_probes_only_where_drafting_could_pay() -> None:
+    """A prior that says "do not draft" must not stop learning: after ``probe_every`` plain
+    steps the planner drafts one token, and certain acceptance then takes it deep. Where even
+    certain acceptance loses to a plain step, it never drafts."""
+    steep = COST_SHAPES["steep"]  # at 4 rows the prior's 0.7 does not pay for a pass
+    learner = goodput_tetris(steep, k=2, extra=3)
+    assert learner.draft_length(4) == 0
+    depths = []
+    for _ in range(12):
+        depths.append(learner.draft_length(4))
+        learner.observe([depths[-1]] * 4, [depths[-1]] * 4)  # everything drafted is accepted
+    assert depths[:5] == [0, 0, 0, 0, 1]  # the probe after probe_every = 4 plain steps
+    assert depths[-1] == 5
+    hopeless = PassCosts(fixed=1.0, per_row=0.0, knee=1000, beyond=0.0, draft=10.0)
+    never = goodput_tetris(hopeless, k=2, extra=3)
+    for _ in range(20):
+        assert never.draft_length(4) == 0
+        never.observe([0] * 4, [0] * 4)
 
 
 def brute_force_depth(rates: list[float], active: int, max_depth: int, costs) -> int:
@@ -630,11 +657,11 @@ def brute_force_depth(rates: list[float], active: int, max_depth: int, costs) ->
     depth j with probability prod(rates[:j])."""
     survival = list(itertools.accumulate(rates, lambda p, r: p * r))
     best, best_k = -math.inf, 0
-    for depth in range(1, max_depth + 1):
+    for depth in range(max_depth + 1):  # 0: a plain step, no draft pass
         candidates = sorted(survival[:depth] * active, reverse=True)
+        drafting = costs.draft_time(active, depth) if depth else 0.0
         value = max(
-            (sum(candidates[:c]) + active)
-            / (costs.draft_time(active, depth) + costs.verify_time(active, c + active))
+            (sum(candidates[:c]) + active) / (drafting + costs.verify_time(active, c + active))
             for c in range(len(candidates) + 1)
         )
         if value > best * (1 + 1e-12):
@@ -648,8 +675,9 @@ def brute_force_depth(rates: list[float], active: int, max_depth: int, costs) ->
 def test_goodput_depth_matches_brute_force(shape: str, fraction: float, active: int) -> None:
     selector = goodput_tetris(COST_SHAPES[shape], k=2, extra=3)
     feed(selector, 10, active, fraction)
-    rates = selector._planner.acceptance().tolist()  # the model's estimates
-    assert selector.draft_length(active) == brute_force_depth(rates, active, 5, COST_SHAPES[shape])
+    planner = selector._planner
+    rates = planner.acceptance().tolist()  # the model's estimates
+    assert planner.best_depth(active) == brute_force_depth(rates, active, 5, COST_SHAPES[shape])
 
 
 def test_goodput_acceptance_model_by_hand() -> None:

@@ -21,9 +21,12 @@ pass over the ``C`` selected tokens and one bonus token per row. It has two halv
   a row per possible ``a``), and the table depends only on host ints (rows, width) and the
   cost model, so it is built on the host once and cached on the device.
 * **How deep to draft** (:meth:`GoodputPlanner.depth`, on the host, before the next step): the
-  same objective, maximised over ``K`` in ``[1, max_depth]`` as well, under a model of the
+  same objective, maximised over ``K`` in ``[0, max_depth]`` as well, under a model of the
   acceptance probability of each depth fitted to the per-row outcomes the decoding loop
   already reads back (:meth:`~specselect.selection.Selector.observe`): no sync of its own.
+  ``K = 0`` is a plain decoding step: when the expected acceptance does not pay for even one
+  draft pass (a drain down to requests the draft never agrees with, or a draft pass that costs
+  as much as it saves), drafting nothing is the best step, as DSD's window of 0 is.
 
 Why select the best-``C*`` prefix of the sorted order rather than run the top-``C`` kernel
 with a device budget: the objective needs the scores in that order anyway (``E(C)`` is their
@@ -217,12 +220,14 @@ class GoodputPlanner:
 
     Args:
         max_depth: the deepest draft (``k + extra``); :meth:`depth` chooses in
-            ``[1, max_depth]``.
+            ``[0, max_depth]``.
         cost_model: the step times (see :class:`StepCosts`).
         prior: acceptance probability of a depth before any evidence.
         strength: pseudo-observations of the prior (for depth 1) or of the depth above (for
             the deeper ones) in each depth's estimate.
         decay: per-step factor on the observed counts, so that the model follows the batch.
+        probe_every: after this many steps in a row that verified nothing, draft one token
+            (see below).
 
     The acceptance model behind :meth:`depth`: the probability that depth ``j`` is accepted
     given depth ``j - 1`` was, pooled over the rows and the recent steps (a Kaplan-Meier
@@ -232,6 +237,12 @@ class GoodputPlanner:
     geometric: a token that follows accepted ones is accepted more often (replaying the shipped
     pair, about 0.45 at depth 1 and 0.8 after). A depth that has not been tested shrinks to the
     one above it, so a depth the planner stopped drafting is valued like the deepest tested.
+
+    ``K = 0`` (a plain step) tests nothing, so the planner *probes*: every ``probe_every``-th
+    step in a row that verified nothing drafts one token instead, unless no acceptance rate
+    could make drafting pay (certain acceptance at every depth still loses to a plain step).
+    Without probes a pessimistic prior, or failures long ago, would stop drafting for good.
+    Between probes the counts keep decaying, so the prior also brings drafting back by itself.
     """
 
     def __init__(
@@ -242,6 +253,7 @@ class GoodputPlanner:
         prior: float = 0.7,
         strength: float = 2.0,
         decay: float = 0.8,
+        probe_every: int = 4,
     ) -> None:
         self.max_depth = check_int("max_depth", max_depth, minimum=1)
         self.cost_model = check_cost_model(cost_model)
@@ -250,6 +262,7 @@ class GoodputPlanner:
             raise ValueError(f"strength must be a finite float > 0, got {strength}")
         self.strength = float(strength)
         self.decay = check_probability("decay", decay)
+        self.probe_every = check_int("probe_every", probe_every, minimum=1)
         self.times = StepTimes(cost_model)
         # (rows, width, device) -> the device tables of goodput_mask: they depend on no state
         self._tables: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
@@ -259,6 +272,7 @@ class GoodputPlanner:
         """Forget the observed outcomes (a new generation)."""
         self._tested = np.zeros(self.max_depth)  # [max_depth] decayed rows that tested depth j
         self._passed = np.zeros(self.max_depth)  # [max_depth] ... and passed it
+        self._idle = 0  # steps in a row that verified nothing
 
     # ------------------------------------------------------------------ host: the draft depth
     def observe(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
@@ -274,6 +288,7 @@ class GoodputPlanner:
         self._passed *= self.decay
         self._tested += _reaching(np.minimum(x + 1, v), self.max_depth)
         self._passed += _reaching(x, self.max_depth)
+        self._idle = 0 if v.any() else self._idle + 1
 
     def acceptance(self) -> np.ndarray:
         """``[max_depth]`` float64: estimated P(depth ``j`` accepted | depth ``j - 1`` was)."""
@@ -287,28 +302,40 @@ class GoodputPlanner:
         return rates
 
     def depth(self, active: int) -> int:
-        """The draft depth ``K`` in ``[1, max_depth]`` with the best modelled goodput for
-        ``active`` rows (the smallest on ties), each ``K`` with its best ``C``.
+        """The draft depth for ``active`` rows: :meth:`best_depth`, or a one-token probe when
+        that is 0 and the planner has verified nothing for ``probe_every`` steps (and
+        certain acceptance would make drafting pay)."""
+        best = self.best_depth(active)
+        if best or not self._idle or self._idle % self.probe_every:
+            return best
+        return int(self.best_depth(active, np.ones(self.max_depth)) > 0)
 
-        Host arithmetic on the cached times and the acceptance model: no device value. The
-        candidates of ``K`` are every row's depths ``1..K``; the survival never increases with
-        depth, so they are the first ``active * K`` of the deepest draft's candidates, best
-        first, and one cumulative sum serves every ``K``.
+    def best_depth(self, active: int, acceptance: np.ndarray | None = None) -> int:
+        """The draft depth ``K`` in ``[0, max_depth]`` with the best modelled goodput for
+        ``active`` rows (the smallest on ties), each ``K`` with its best ``C``; 0 with no
+        active row.
+
+        Host arithmetic on the cached times and the acceptance model (or the given
+        ``[max_depth]`` rates): no device value. The candidates of ``K`` are every row's
+        depths ``1..K``; the survival never increases with depth, so they are the first
+        ``active * K`` of the deepest draft's candidates, best first, and one cumulative sum
+        serves every ``K``. ``K = 0`` (no draft pass, ``C = 0``) is a plain decoding step.
         """
         active = check_int("active", active)
         if active == 0:
-            return 1
+            return 0
         depths = self.max_depth
-        survival = np.cumprod(self.acceptance())  # [D] P(depth j accepted)
+        rates = self.acceptance() if acceptance is None else acceptance
+        survival = np.cumprod(rates)  # [D] P(depth j accepted)
         candidates = np.repeat(survival, active)  # [a * D] best first
         expected = np.concatenate([[0.0], np.cumsum(candidates)])  # [a * D + 1] E(C)
         verify = self.times.verify(active, active * (depths + 1))[active:]  # [a * D + 1]
-        draft = self.times.draft(active, depths)[1:, None]  # [D, 1] K = 1..D
-        goodput = (expected + active) / (draft + verify)  # [D, a * D + 1]
+        draft = self.times.draft(active, depths)[:, None]  # [D + 1, 1] K = 0..D
+        goodput = (expected + active) / (draft + verify)  # [D + 1, a * D + 1]
         counts = np.arange(active * depths + 1)  # [a * D + 1] C
-        too_many = counts > active * np.arange(1, depths + 1)[:, None]  # [D, a * D + 1]
-        best = np.where(too_many, -INF, goodput).max(axis=1)  # [D] each K at its best C
-        return int(np.argmax(best)) + 1  # the first maximum: the smallest K
+        too_many = counts > active * np.arange(depths + 1)[:, None]  # [D + 1, a * D + 1]
+        best = np.where(too_many, -INF, goodput).max(axis=1)  # [D + 1] each K at its best C
+        return int(np.argmax(best))  # the first maximum: the smallest K
 
     # ------------------------------------------------------------------ device: the budget
     def select(self, costs: Tensor, active: Tensor | None, passes: Tensor | int) -> Tensor:

@@ -55,7 +55,7 @@ class TetrisSelector(Selector):
             longer windows than ``k``.
         budget: a fixed total ``C`` per step instead of ``k * num_active``; or ``"goodput"``:
             every step, the ``C`` with the best modelled goodput under ``cost_model``, and a
-            draft depth in ``[1, k + extra]`` chosen for it too
+            draft depth in ``[0, k + extra]`` chosen for it too (0: a plain decoding step)
             (:mod:`specselect.selectors.goodput`; docs: "The goodput budget").
         estimator: an :class:`~specselect.estimators.AcceptanceEstimator` (or its registry name:
             ``"draft"``, ``"calibrated"``, ``"history"``, ``"choice"``) that turns draft
@@ -116,7 +116,7 @@ class TetrisSelector(Selector):
             self._planner.reset()
 
     def draft_length(self, num_active: int) -> int:
-        """``k + extra``; with the goodput budget, the depth in ``[1, k + extra]`` with the
+        """``k + extra``; with the goodput budget, the depth in ``[0, k + extra]`` with the
         best modelled goodput for ``num_active`` rows, from the outcomes :meth:`observe` saw."""
         check_int("num_active", num_active)
         if self._planner is not None:
