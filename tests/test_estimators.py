@@ -659,3 +659,52 @@ def test_a_reading_on_another_device_keeps_the_learned_state(read: Callable) -> 
     assert all(a is b for a, b in zip(learned_tensors(selector), live, strict=True))
     for tensor, before in zip(live, saved, strict=True):
         assert torch.equal(tensor, before)
+
+
+def default_tetris_steps(
+    selector: TetrisSelector, steps: int, gen: torch.Generator, device: str = "cpu"
+) -> list[list[int]]:
+    """``steps`` select + update calls of 3 requests on ``device``; the selected lengths."""
+    lengths = []
+    ids = torch.arange(3, device=device)
+    for _ in range(steps):
+        logprobs = -torch.rand(3, 3, generator=gen)
+        selection = selector.select(logprobs.to(device), request_ids=ids)
+        selector.update(selection, selection.lengths.clamp(max=1))
+        lengths.append(selection.lengths.tolist() if device != "meta" else [])
+    return lengths
+
+
+def test_a_selector_moved_to_another_device_draws_a_new_capture_token() -> None:
+    """Inputs on another device take the state there as new tensors, so a graph recorded on
+    the old ones must never replay for this selector: its capture key changes, once per move
+    ("meta" stands in for a GPU)."""
+    selector = TetrisSelector(2, 1)
+    gen = torch.Generator().manual_seed(0)
+    default_tetris_steps(selector, 5, gen)
+    key = selector.capture_key
+    default_tetris_steps(selector, 1, gen)
+    assert selector.capture_key == key  # same device: the same graphs serve
+    shapes = [tensor.shape for tensor in learned_tensors(selector)]
+    default_tetris_steps(selector, 1, gen, "meta")
+    moved = selector.capture_key
+    assert moved != key
+    assert [tensor.device.type for tensor in learned_tensors(selector)] == ["meta"] * 3
+    assert [tensor.shape for tensor in learned_tensors(selector)] == shapes
+    default_tetris_steps(selector, 2, gen, "meta")
+    assert selector.capture_key == moved
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_selector_moved_to_a_gpu_keeps_what_it_learned() -> None:
+    """What the default TETRIS learned on the CPU goes with it to a GPU: it selects as a twin
+    that stayed on the CPU (it used to start from scratch there)."""
+    moved, stayed = TetrisSelector(2, 1), TetrisSelector(2, 1)
+    assert default_tetris_steps(moved, 30, torch.Generator().manual_seed(0)) == (
+        default_tetris_steps(stayed, 30, torch.Generator().manual_seed(0))
+    )
+    after = default_tetris_steps(moved, 10, torch.Generator().manual_seed(1), "cuda")
+    assert after == default_tetris_steps(stayed, 10, torch.Generator().manual_seed(1))
+    for gpu, cpu in zip(learned_tensors(moved), learned_tensors(stayed), strict=True):
+        assert gpu.device.type == "cuda"
+        torch.testing.assert_close(gpu.cpu(), cpu)

@@ -171,6 +171,7 @@ class Selector(abc.ABC):
         #: later object): the part of a stateful selector's :attr:`capture_key` that keeps a
         #: graph recorded on this selector's state from replaying for another one.
         self.capture_token = next(_CAPTURE_TOKENS)
+        self._device: torch.device | None = None  # the inputs' device at the last select
 
     @abc.abstractmethod
     def draft_length(self, num_active: int) -> int:
@@ -209,6 +210,7 @@ class Selector(abc.ABC):
             A :class:`Selection` on the input's device.
         """
         draft_logprobs = check_logprobs("draft_logprobs", draft_logprobs)
+        self._follow_device(draft_logprobs.device)
         rows, width = draft_logprobs.shape
         active = check_active(active, rows, draft_logprobs.device)
         if request_ids is not None:
@@ -371,7 +373,9 @@ class Selector(abc.ABC):
         :meth:`reset`; allocated on the first call for a shape, before a loop captures that
         shape, which it does only after a warm-up call). Two selectors with equal keys must
         record the same work on the same memory: a stateless selector's key is its parameters;
-        a stateful one must include its :attr:`capture_token`.
+        a stateful one must include its :attr:`capture_token`. The one rebinding allowed is a
+        move: inputs on another device than the last :meth:`select`'s take the state there as
+        new tensors, and :meth:`select` then draws a new :attr:`capture_token`.
         """
         return None
 
@@ -384,6 +388,16 @@ class Selector(abc.ABC):
         this is the tensor the capture recorded, in the graph's memory, which later graphs may
         reuse."""
         return None if self._last is None else self._last.scores
+
+    def _follow_device(self, device: torch.device) -> None:
+        """State follows the inputs to another device, as new tensors (it keeps what it
+        learned). A graph recorded on the old ones must never replay for this selector, so it
+        gets a new :attr:`capture_token`."""
+        if self._device is not None and device != self._device:
+            self.capture_token = next(_CAPTURE_TOKENS)
+            if self._request_ids is not None:
+                self._request_ids = self._request_ids.to(device)
+        self._device = device
 
     def _follow_requests(self, request_ids: Tensor) -> None:
         previous = self._request_ids

@@ -15,7 +15,9 @@ State is allocated on the first step (when the device and batch size are known) 
 only updated in place, never rebound: a decoding loop may capture ``select`` and ``update`` in a
 CUDA graph, which replays its kernels on the buffers it recorded. Each batch size gets its own
 per-request state (and its own capture), kept while the estimator lives. An estimator that keeps
-to this says so with :attr:`AcceptanceEstimator.capturable`.
+to this says so with :attr:`AcceptanceEstimator.capturable`. The one exception is a move: inputs
+on another device take the state there (copies: what was learned is kept), and the selector
+then draws a new ``capture_token``, so no graph recorded on the old tensors replays again.
 """
 
 from __future__ import annotations

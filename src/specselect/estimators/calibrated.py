@@ -69,11 +69,14 @@ class CalibratedDraft(AcceptanceEstimator):
         self._cells.clear()
 
     def _state(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        if self._counts is None or self._logits is None or self._counts.device != device:
+        if self._counts is None or self._logits is None or self._prior is None:
             self._counts = torch.zeros(2, self.positions * self.bins, device=device)
             self._logits = torch.empty(self.positions * self.bins, device=device)
             self._prior = _prior_counts(self.positions, self.bins, self.prior, device)
             self._refresh(self._counts, self._logits)
+        elif self._counts.device != device:  # follows the inputs, with what it learned
+            self._counts, self._logits = self._counts.to(device), self._logits.to(device)
+            self._prior = self._prior.to(device)
         return self._counts, self._logits
 
     def _refresh(self, counts: Tensor, logits: Tensor) -> None:

@@ -77,8 +77,10 @@ class RankingChoice(AcceptanceEstimator):
         self.learned.reset_rows(rows)
 
     def _state(self, device: torch.device) -> Tensor:
-        if self._stats is None or self._stats.device != device:
+        if self._stats is None:
             self._stats = torch.zeros(3, device=device)
+        elif self._stats.device != device:  # follows the inputs, with what it learned
+            self._stats = self._stats.to(device)
         return self._stats
 
     def _read(self, device: torch.device) -> Tensor:

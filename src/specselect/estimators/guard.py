@@ -82,8 +82,10 @@ class RankingGuard:
             self._histograms.zero_()
 
     def _state(self, device: torch.device) -> Tensor:
-        if self._histograms is None or self._histograms.device != device:
+        if self._histograms is None:
             self._histograms = torch.zeros(2, BINS, device=device)
+        elif self._histograms.device != device:  # follows the inputs, with what it learned
+            self._histograms = self._histograms.to(device)
         return self._histograms
 
     def _read(self, device: torch.device) -> Tensor:

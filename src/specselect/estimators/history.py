@@ -124,11 +124,15 @@ class RequestHistory(AcceptanceEstimator):
         """``(weights [F], the per-slot state of a batch of this size)``, allocated when first
         needed. Each batch size keeps its own per-slot tensors, never rebound: a CUDA graph
         captured for a batch size reads them when it replays, also after other sizes ran."""
-        if self._weights is None or self._batch is None or self._weights.device != device:
+        if self._weights is None or self._batch is None or self._decays is None:
             self._weights = torch.tensor(self._initial_weights, device=device)
             self._batch = torch.tensor(_BATCH_PRIOR, device=device)
             self._decays = torch.tensor(self.request_decays, device=device)
             self._slots.clear()
+        elif self._weights.device != device:  # follows the inputs, with what it learned
+            self._weights, self._batch = self._weights.to(device), self._batch.to(device)
+            self._decays = self._decays.to(device)
+            self._slots = {size: slots.to(device) for size, slots in self._slots.items()}
         slots = self._slots.get(batch)
         if slots is None:
             slots = self._slots[batch] = _Slots.zeros(batch, len(self.request_decays), device)
@@ -217,6 +221,9 @@ class _Slots:
     counts: Tensor  # [2, B, S] decayed accepted / rejected counts per time scale
     history: Tensor  # [B, S] history log-odds
     row_terms: Tensor  # [B] bias + history term of each row
+
+    def to(self, device: torch.device) -> _Slots:
+        return _Slots(self.counts.to(device), self.history.to(device), self.row_terms.to(device))
 
     @staticmethod
     def zeros(batch: int, scales: int, device: torch.device) -> _Slots:
