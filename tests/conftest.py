@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import strategies as st
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specselect.selection import Selection
 from specselect.selectors import TetrisSelector
@@ -115,3 +118,20 @@ def _one_thread() -> Iterator[None]:
 def paper_tetris(*args: object, **kwargs: object) -> TetrisSelector:
     """TETRIS exactly as in the paper: ranked by draft probabilities, no estimator, no guard."""
     return TetrisSelector(*args, estimator=None, guard=False, **kwargs)  # type: ignore[arg-type]
+
+
+class OneDevicePerOp(TorchDispatchMode):
+    """Refuses an op (other than a copy) on tensors of two devices, as CUDA does. Tests use
+    "meta" to stand in for a GPU, and there an op mixing CPU and meta tensors does not raise:
+    it silently does nothing."""
+
+    COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        # 0-dim CPU tensors may join ops on any device (they are read as scalars).
+        devices = {t.device for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
+        if len(devices) > 1 and func not in self.COPIES:
+            raise RuntimeError(f"{func} mixes tensors on {sorted(map(str, devices))}")
+        return func(*args, **kwargs)

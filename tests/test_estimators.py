@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from conftest import paper_tetris
+from conftest import OneDevicePerOp, paper_tetris
 from specselect import Selection, TetrisSelector
 from specselect.estimators import (
     ESTIMATORS,
@@ -18,6 +18,7 @@ from specselect.estimators import (
     RankingChoice,
     RankingGuard,
     RequestHistory,
+    make_estimator,
     observed_outcomes,
     tree_outcomes,
 )
@@ -662,11 +663,15 @@ def test_a_reading_on_another_device_keeps_the_learned_state(read: Callable) -> 
 
 
 def default_tetris_steps(
-    selector: TetrisSelector, steps: int, gen: torch.Generator, device: str = "cpu"
+    selector: TetrisSelector,
+    steps: int,
+    gen: torch.Generator,
+    device: str = "cpu",
+    requests: tuple[int, ...] = (0, 1, 2),
 ) -> list[list[int]]:
     """``steps`` select + update calls of 3 requests on ``device``; the selected lengths."""
     lengths = []
-    ids = torch.arange(3, device=device)
+    ids = torch.tensor(requests, device=device)
     for _ in range(steps):
         logprobs = -torch.rand(3, 3, generator=gen)
         selection = selector.select(logprobs.to(device), request_ids=ids)
@@ -675,24 +680,54 @@ def default_tetris_steps(
     return lengths
 
 
-def test_a_selector_moved_to_another_device_draws_a_new_capture_token() -> None:
-    """Inputs on another device take the state there as new tensors, so a graph recorded on
-    the old ones must never replay for this selector: its capture key changes, once per move
-    ("meta" stands in for a GPU)."""
+def test_a_moved_selector_keeps_its_learned_state_in_shape() -> None:
+    """The default TETRIS's learned tensors move with the inputs ("meta" stands in for a GPU;
+    the values are checked on a GPU below), and its capture key changes once per move."""
     selector = TetrisSelector(2, 1)
     gen = torch.Generator().manual_seed(0)
     default_tetris_steps(selector, 5, gen)
     key = selector.capture_key
-    default_tetris_steps(selector, 1, gen)
-    assert selector.capture_key == key  # same device: the same graphs serve
     shapes = [tensor.shape for tensor in learned_tensors(selector)]
-    default_tetris_steps(selector, 1, gen, "meta")
-    moved = selector.capture_key
-    assert moved != key
+    with OneDevicePerOp():  # slot 1 gets a new request at the move: reset on the new device
+        default_tetris_steps(selector, 1, gen, "meta", requests=(0, 7, 2))
+        moved = selector.capture_key
+        default_tetris_steps(selector, 2, gen, "meta")
+    assert moved != key and selector.capture_key == moved
     assert [tensor.device.type for tensor in learned_tensors(selector)] == ["meta"] * 3
     assert [tensor.shape for tensor in learned_tensors(selector)] == shapes
-    default_tetris_steps(selector, 2, gen, "meta")
-    assert selector.capture_key == moved
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda e, x: e.estimate(x),
+        lambda e, x: e.learn(x, x > -1, x > -0.5),
+    ],
+    ids=["estimate", "learn"],
+)
+@pytest.mark.parametrize("name", ["calibrated", "history", "choice"])
+def test_an_estimator_refuses_inputs_on_another_device_than_its_state(
+    name: str, use: Callable
+) -> None:
+    """Only a selector moves state (with ``to``, then a new capture token): used directly, an
+    estimator says where its state is instead of rebinding it behind a captured graph."""
+    estimator = make_estimator(name)
+    assert estimator is not None
+    logprobs = -torch.rand(3, 4, generator=torch.Generator().manual_seed(0))
+    estimator.learn(logprobs, logprobs > -1, logprobs > -0.5)
+    with pytest.raises(ValueError, match=r"keeps its state on cpu, got inputs on meta.*\.to\("):
+        use(estimator, logprobs.to("meta"))
+    estimator.to(torch.device("meta"))
+    use(estimator, logprobs.to("meta"))
+
+
+def test_the_guard_refuses_outcomes_on_another_device_than_its_state() -> None:
+    guard = RankingGuard()
+    scores = -torch.rand(3, 4, generator=torch.Generator().manual_seed(0))
+    guard.observe(scores, scores > -1, scores > -0.5)
+    meta = scores.to("meta")
+    with pytest.raises(ValueError, match="RankingGuard keeps its state on cpu"):
+        guard.observe(meta, meta > -1, meta > -0.5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from conftest import random_logprobs
+from conftest import OneDevicePerOp, random_logprobs
 from specselect.selection import Selection, Selector
 from specselect.selectors import SELECTORS
 from specselect.tree import available_nodes, chain_parents
@@ -388,3 +388,26 @@ def test_no_sync_on_cuda(name: str) -> None:
             selector.update(selection, accepted, accepted_nodes=None if tree is None else no_path)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_state_moves_with_the_inputs_to_another_device(name: str) -> None:
+    """Inputs on another device than the last select's: the selector moves its state there
+    before reading it (no op mixes devices, as none may on a GPU: "meta" stands in for one),
+    also when a slot's request changes at the move; and it draws a new capture token once, so
+    that no graph recorded on the old tensors replays for it."""
+    selector = make(name)
+    requests = torch.arange(BATCH)
+    for seed in range(4):
+        selection = selector.select(drafted(selector, seed=seed), ACTIVE, request_ids=requests)
+        selector.update(selection, accepted_for(selection, seed))
+    token = selector.capture_token
+    logprobs = drafted(selector, seed=4).to("meta")  # the window is read while state is on cpu
+    requests = torch.tensor([0, 7, 2, 3, 4], device="meta")
+    tokens = []
+    with OneDevicePerOp():
+        for _ in range(2):
+            selection = selector.select(logprobs, ACTIVE.to("meta"), request_ids=requests)
+            selector.update(selection, torch.zeros_like(selection.lengths))
+            tokens.append(selector.capture_token)
+    assert tokens[0] != token and tokens[1] == tokens[0]

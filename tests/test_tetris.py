@@ -21,7 +21,7 @@ from conftest import active_masks, logprob_matrices, logprob_values, paper_tetri
 from specselect import FixedWindowSelector, native, top_c_mask
 from specselect.selectors import TetrisSelector
 from specselect.topc import cheapest_mask, cheapest_mask_torch, cheapest_per_row
-from specselect.tree import path_sums
+from specselect.tree import chain_parents, path_sums
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LOW_PRECISION = [torch.float16, torch.bfloat16]
@@ -650,6 +650,42 @@ def test_goodput_depth_probes_only_where_drafting_could_pay() -> None:
     for _ in range(20):
         assert never.draft_length(4) == 0
         never.observe([0] * 4, [0] * 4)
+
+
+def probe_run(selector: TetrisSelector, steps: int, tree: bool = False) -> tuple[list, list]:
+    """(draft depths, tokens verified) of ``steps`` steps of 4 rows whose draft gives each
+    token probability 0.6 and is always right, through select, update and observe."""
+    rows, depths, verified = 4, [], []
+    for _ in range(steps):
+        depths.append(selector.draft_length(rows))
+        logprobs = torch.full((rows, depths[-1]), math.log(0.6))
+        parents = chain_parents(rows, depths[-1]) if tree else None
+        selection = selector.select(logprobs, parents=parents)
+        nodes = selection.mask if tree else None
+        selector.update(selection, selection.lengths, accepted_nodes=nodes)
+        verified.append(selection.lengths.tolist())
+        selector.observe(verified[-1], verified[-1])
+    return depths, [sum(lengths) for lengths in verified]
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_probe_verifies_what_it_drafted(tree: bool) -> None:
+    """Through select: a probe's tokens are verified even where the estimates say they do not
+    pay (the paper's ranking of 0.6-probability tokens under steep costs, which never changes),
+    or a probe would teach nothing. Probes come every ``probe_every`` steps that verified
+    nothing, also while the planner drafts but the budget verifies nothing."""
+    depths, verified = probe_run(goodput_tetris(COST_SHAPES["steep"], k=2, extra=3), 15, tree)
+    assert depths[:5] == [0, 0, 0, 0, 1]
+    assert verified == [0, 0, 0, 0, 4] * 3
+
+
+def test_probes_let_the_default_estimator_learn_a_good_draft() -> None:
+    """The default estimator learns from what probes verify: its estimates rise, the budget
+    verifies without probes, and the depth goes up to what an always-right draft deserves."""
+    selector = TetrisSelector(2, 3, budget="goodput", cost_model=COST_SHAPES["steep"])
+    depths, verified = probe_run(selector, 20)
+    assert depths[:5] == [0, 0, 0, 0, 1] and verified[4] == 4
+    assert depths[-1] == 5 and min(verified[-5:]) > 0
 
 
 def brute_force_depth(rates: list[float], active: int, max_depth: int, costs) -> int:

@@ -391,13 +391,20 @@ class Selector(abc.ABC):
 
     def _follow_device(self, device: torch.device) -> None:
         """State follows the inputs to another device, as new tensors (it keeps what it
-        learned). A graph recorded on the old ones must never replay for this selector, so it
-        gets a new :attr:`capture_token`."""
+        learned), before anything reads it. A graph recorded on the old ones must never replay
+        for this selector, so it gets a new :attr:`capture_token`."""
         if self._device is not None and device != self._device:
+            self._move_state(device)
             self.capture_token = next(_CAPTURE_TOKENS)
             if self._request_ids is not None:
                 self._request_ids = self._request_ids.to(device)
         self._device = device
+
+    def _move_state(self, device: torch.device) -> None:
+        """Move device state to ``device``: the estimator's; a selector with device state of
+        its own extends this."""
+        if self.estimator is not None:
+            self.estimator.to(device)
 
     def _follow_requests(self, request_ids: Tensor) -> None:
         previous = self._request_ids

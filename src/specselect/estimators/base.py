@@ -15,9 +15,10 @@ State is allocated on the first step (when the device and batch size are known) 
 only updated in place, never rebound: a decoding loop may capture ``select`` and ``update`` in a
 CUDA graph, which replays its kernels on the buffers it recorded. Each batch size gets its own
 per-request state (and its own capture), kept while the estimator lives. An estimator that keeps
-to this says so with :attr:`AcceptanceEstimator.capturable`. The one exception is a move: inputs
-on another device take the state there (copies: what was learned is kept), and the selector
-then draws a new ``capture_token``, so no graph recorded on the old tensors replays again.
+to this says so with :attr:`AcceptanceEstimator.capturable`. The one exception is a move,
+:meth:`AcceptanceEstimator.to`, which only a selector makes, when its inputs change device (it
+then draws a new ``capture_token``, so that no graph recorded on the old tensors replays). Used
+directly, an estimator refuses inputs on another device than its state's.
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ class AcceptanceEstimator(abc.ABC):
     def reset_rows(self, rows: Tensor) -> None:  # noqa: B027
         """Forget per-request state of ``rows`` (``[B]`` bool); shared state is kept."""
 
+    def to(self, device: torch.device) -> None:  # noqa: B027
+        """Move the state to ``device`` as copies, which keep what was learned (nothing to move
+        by default). A selector calls it when its inputs move, before anything else."""
+
 
 class DraftProbability(AcceptanceEstimator):
     """The paper's estimate: the draft probability itself. Learns nothing."""
@@ -143,6 +148,16 @@ def read_state(
     any. Never a rebinding: a diagnostic read on another device (the CPU by default) must not
     discard what was learned, nor leave a captured graph updating a tensor nobody holds."""
     return allocate(device) if live is None else live.to(device)
+
+
+def check_state_device(owner: object, state: Tensor, device: torch.device) -> None:
+    """Inputs must be on the state's device: only :meth:`AcceptanceEstimator.to` moves state
+    (a selector calls it), since a move rebinds tensors that a captured graph may hold."""
+    if state.device != device:
+        raise ValueError(
+            f"{type(owner).__name__} keeps its state on {state.device}, got inputs on {device}: "
+            "move it first with .to(device) (a selector does so itself when its inputs move)"
+        )
 
 
 def logit(p: Tensor) -> Tensor:

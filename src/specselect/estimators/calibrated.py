@@ -7,7 +7,13 @@ from torch import Tensor
 
 from specselect._checks import check_int
 from specselect.constants import cached_constant
-from specselect.estimators.base import AcceptanceEstimator, Cached, clamp_log, read_state
+from specselect.estimators.base import (
+    AcceptanceEstimator,
+    Cached,
+    check_state_device,
+    clamp_log,
+    read_state,
+)
 
 
 def _check_unit(name: str, value: float, *, closed_low: bool) -> float:
@@ -74,10 +80,14 @@ class CalibratedDraft(AcceptanceEstimator):
             self._logits = torch.empty(self.positions * self.bins, device=device)
             self._prior = _prior_counts(self.positions, self.bins, self.prior, device)
             self._refresh(self._counts, self._logits)
-        elif self._counts.device != device:  # follows the inputs, with what it learned
-            self._counts, self._logits = self._counts.to(device), self._logits.to(device)
-            self._prior = self._prior.to(device)
+        check_state_device(self, self._counts, device)
         return self._counts, self._logits
+
+    def to(self, device: torch.device) -> None:
+        if self._counts is None or self._logits is None or self._prior is None:
+            return
+        self._counts, self._logits = self._counts.to(device), self._logits.to(device)
+        self._prior = self._prior.to(device)
 
     def _refresh(self, counts: Tensor, logits: Tensor) -> None:
         """Write the log-odds of every cell's shrunk rate into ``logits``, in place:

@@ -8,7 +8,13 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_probability
-from specselect.estimators.base import EPS, AcceptanceEstimator, Cached, read_state
+from specselect.estimators.base import (
+    EPS,
+    AcceptanceEstimator,
+    Cached,
+    check_state_device,
+    read_state,
+)
 from specselect.estimators.history import RequestHistory
 
 LOG_EPS = math.log(EPS)  # a token's log-loss is capped at -log(EPS) (a probability-0 mistake)
@@ -79,9 +85,13 @@ class RankingChoice(AcceptanceEstimator):
     def _state(self, device: torch.device) -> Tensor:
         if self._stats is None:
             self._stats = torch.zeros(3, device=device)
-        elif self._stats.device != device:  # follows the inputs, with what it learned
-            self._stats = self._stats.to(device)
+        check_state_device(self, self._stats, device)
         return self._stats
+
+    def to(self, device: torch.device) -> None:
+        self.learned.to(device)
+        if self._stats is not None:
+            self._stats = self._stats.to(device)
 
     def _read(self, device: torch.device) -> Tensor:
         return read_state(self._stats, device, self._state)

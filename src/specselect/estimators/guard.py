@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int, check_probability
-from specselect.estimators.base import read_state
+from specselect.estimators.base import check_state_device, read_state
 
 BINS = 64
 """Histogram bins per outcome (passed, failed), equal-width in ``logit p`` over ``[-LOGIT_SPAN,
@@ -84,9 +84,14 @@ class RankingGuard:
     def _state(self, device: torch.device) -> Tensor:
         if self._histograms is None:
             self._histograms = torch.zeros(2, BINS, device=device)
-        elif self._histograms.device != device:  # follows the inputs, with what it learned
-            self._histograms = self._histograms.to(device)
+        check_state_device(self, self._histograms, device)
         return self._histograms
+
+    def to(self, device: torch.device) -> None:
+        """Move the histograms to ``device`` (copies: the evidence is kept); see
+        :meth:`~specselect.estimators.AcceptanceEstimator.to`."""
+        if self._histograms is not None:
+            self._histograms = self._histograms.to(device)
 
     def _read(self, device: torch.device) -> Tensor:
         return read_state(self._histograms, device, self._state)

@@ -9,7 +9,13 @@ import torch
 from torch import Tensor
 
 from specselect.constants import cached_constant
-from specselect.estimators.base import EPS, AcceptanceEstimator, Cached, check_rows
+from specselect.estimators.base import (
+    EPS,
+    AcceptanceEstimator,
+    Cached,
+    check_rows,
+    check_state_device,
+)
 from specselect.estimators.calibrated import CalibratedDraft, _check_unit
 
 LOGIT_MAX = 12.0  # the draft-probability feature is clamped to +-LOGIT_MAX (q = 0 or 1 stay finite)
@@ -115,6 +121,16 @@ class RequestHistory(AcceptanceEstimator):
         self._estimated.clear()  # the features of these rows change
         slots.counts.masked_fill_(rows.view(1, -1, 1), 0.0)
 
+    def to(self, device: torch.device) -> None:
+        self.calibration.to(device)
+        if self._weights is None or self._batch is None or self._decays is None:
+            return
+        self._weights, self._batch = self._weights.to(device), self._batch.to(device)
+        self._decays = self._decays.to(device)
+        self._slots = {size: slots.to(device) for size, slots in self._slots.items()}
+        if self._current is not None:  # the batch the next reset_rows addresses
+            self._current = self._slots[self._current.counts.shape[1]]
+
     def request_counts(self) -> Tensor | None:
         """``[2, B, S]`` decayed accepted / rejected counts of each slot of the last batch, per
         time scale (``None`` before any); diagnostics: the live tensor, do not modify it."""
@@ -129,10 +145,7 @@ class RequestHistory(AcceptanceEstimator):
             self._batch = torch.tensor(_BATCH_PRIOR, device=device)
             self._decays = torch.tensor(self.request_decays, device=device)
             self._slots.clear()
-        elif self._weights.device != device:  # follows the inputs, with what it learned
-            self._weights, self._batch = self._weights.to(device), self._batch.to(device)
-            self._decays = self._decays.to(device)
-            self._slots = {size: slots.to(device) for size, slots in self._slots.items()}
+        check_state_device(self, self._weights, device)
         slots = self._slots.get(batch)
         if slots is None:
             slots = self._slots[batch] = _Slots.zeros(batch, len(self.request_decays), device)

@@ -226,8 +226,7 @@ class GoodputPlanner:
         strength: pseudo-observations of the prior (for depth 1) or of the depth above (for
             the deeper ones) in each depth's estimate.
         decay: per-step factor on the observed counts, so that the model follows the batch.
-        probe_every: after this many steps in a row that verified nothing, draft one token
-            (see below).
+        probe_every: after this many steps in a row that verified nothing, probe (see below).
 
     The acceptance model behind :meth:`depth`: the probability that depth ``j`` is accepted
     given depth ``j - 1`` was, pooled over the rows and the recent steps (a Kaplan-Meier
@@ -238,11 +237,14 @@ class GoodputPlanner:
     pair, about 0.45 at depth 1 and 0.8 after). A depth that has not been tested shrinks to the
     one above it, so a depth the planner stopped drafting is valued like the deepest tested.
 
-    ``K = 0`` (a plain step) tests nothing, so the planner *probes*: every ``probe_every``-th
-    step in a row that verified nothing drafts one token instead, unless no acceptance rate
-    could make drafting pay (certain acceptance at every depth still loses to a plain step).
-    Without probes a pessimistic prior, or failures long ago, would stop drafting for good.
-    Between probes the counts keep decaying, so the prior also brings drafting back by itself.
+    ``K = 0`` (a plain step) tests nothing, and neither does a step whose budget verifies none
+    of what was drafted (scores that undervalue the draft), so the planner *probes*: after every
+    ``probe_every`` steps in a row that verified nothing it drafts at least one token, unless no
+    acceptance rate could make drafting pay (certain acceptance at every depth still loses to a
+    plain step), and :meth:`select` verifies everything drafted, whatever the estimates say: a
+    probe that tests nothing teaches nothing. Without probes, a prior under which drafting does
+    not pay would never be put to the test. Between probes the counts keep decaying, so where
+    the prior says drafting pays, it also brings drafting back by itself.
     """
 
     def __init__(
@@ -273,6 +275,7 @@ class GoodputPlanner:
         self._tested = np.zeros(self.max_depth)  # [max_depth] decayed rows that tested depth j
         self._passed = np.zeros(self.max_depth)  # [max_depth] ... and passed it
         self._idle = 0  # steps in a row that verified nothing
+        self._probing = False  # whether the last depth() was a probe
 
     # ------------------------------------------------------------------ host: the draft depth
     def observe(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
@@ -302,13 +305,14 @@ class GoodputPlanner:
         return rates
 
     def depth(self, active: int) -> int:
-        """The draft depth for ``active`` rows: :meth:`best_depth`, or a one-token probe when
-        that is 0 and the planner has verified nothing for ``probe_every`` steps (and
-        certain acceptance would make drafting pay)."""
+        """The draft depth for ``active`` rows: :meth:`best_depth`; on a probe (after every
+        ``probe_every`` steps in a row that verified nothing, if certain acceptance would make
+        drafting pay), at least 1, and :meth:`select` then verifies all of it."""
         best = self.best_depth(active)
-        if best or not self._idle or self._idle % self.probe_every:
-            return best
-        return int(self.best_depth(active, np.ones(self.max_depth)) > 0)
+        self._probing = bool(self._idle) and self._idle % self.probe_every == 0
+        if self._probing and not best:  # unless no acceptance could make drafting pay
+            self._probing = self.best_depth(active, np.ones(self.max_depth)) > 0
+        return max(best, 1) if self._probing else best
 
     def best_depth(self, active: int, acceptance: np.ndarray | None = None) -> int:
         """The draft depth ``K`` in ``[0, max_depth]`` with the best modelled goodput for
@@ -339,10 +343,14 @@ class GoodputPlanner:
 
     # ------------------------------------------------------------------ device: the budget
     def select(self, costs: Tensor, active: Tensor | None, passes: Tensor | int) -> Tensor:
-        """``[B, W]`` bool: :func:`goodput_mask` with this planner's cached device tables."""
+        """``[B, W]`` bool: :func:`goodput_mask` with this planner's cached device tables; on a
+        probe step (see the class), every available entry of the active rows."""
         rows, width = costs.shape
         if rows * width == 0:
             return torch.zeros(costs.shape, dtype=torch.bool, device=costs.device)
+        if self._probing:  # a host flag: the goodput budget runs eagerly, never captured
+            available = costs < INF  # [B, W]
+            return available if active is None else available & active.unsqueeze(1)
         verify, draft = self._device_tables(rows, width, costs.device)
         return goodput_mask(costs, active, verify, draft, passes)
 

@@ -162,6 +162,10 @@ class HeuristicSelector(Selector):
         """Windows start at ``k`` and grow up to ``k + extra``, as far as TETRIS drafts."""
         return {"k0": k, "max_k": k + extra} if budget is None else None
 
+    def _move_state(self, device: torch.device) -> None:
+        if self._windows is not None:
+            self._windows = self._windows.to(device)
+
     def _state(self, batch: int, device: torch.device, argument: str) -> Tensor:
         """The ``[batch]`` windows, created at ``k0`` on first use; a mismatch is an error."""
         if self._windows is None:

@@ -194,6 +194,11 @@ class TetrisSelector(Selector):
         mask, counts = cheapest_counts(costs, budget, nonnegative=True, keep=active)
         return Selection(lengths=counts, mask=mask)
 
+    def _move_state(self, device: torch.device) -> None:
+        super()._move_state(device)
+        if self.guard is not None:
+            self.guard.to(device)
+
     def _update(
         self, selection: Selection, num_accepted: Tensor, accepted_nodes: Tensor | None
     ) -> None:
