@@ -128,6 +128,17 @@ def test_guard_keeps_its_verdict_while_one_outcome_fades(rate: float) -> None:
     assert float(guard.auc()) > guard.min_auc and bool(guard.trusted())
 
 
+@pytest.mark.parametrize("rate", [0.0, 1.0], ids=["never-accepted", "always-accepted"])
+def test_guard_trusts_scores_with_nothing_to_rank(rate: float) -> None:
+    """Only failures, or only passes, from the start: no pair of outcomes to rank, so no
+    evidence against the scores (their AUC reads 0.5). A draft that is always right must not be
+    sent back to the fixed window."""
+    guard = RankingGuard()
+    run_stream(DraftProbability(), lambda q, rows: torch.full_like(q, rate), 100, 0, guard)
+    assert float(guard._histograms.sum()) > guard.min_observations  # type: ignore[union-attr]
+    assert float(guard.auc()) == 0.5 and bool(guard.trusted())
+
+
 def test_observed_outcomes_stop_at_the_first_rejection() -> None:
     tested, passed = observed_outcomes(torch.tensor([3, 3, 0, 2]), torch.tensor([1, 3, 0, 2]), 4)
     assert tested.tolist() == [
@@ -283,8 +294,10 @@ def test_a_short_default_run_is_not_standard_sd() -> None:
 def test_tetris_guard_fallback_keeps_a_fixed_budget(budget: int, lengths: list, tree: bool):
     """Untrusted, TETRIS falls back to standard SD's windows trimmed to the budget,
     shallowest positions first (then lower rows), and still closed under ancestors."""
-    untrusted = RankingGuard(min_auc=1.0, min_observations=0)  # no AUC reaches 1 when empty
-    selector = TetrisSelector(k=2, extra=2, budget=budget, guard=untrusted)
+    untrusted = RankingGuard(min_auc=1.0, min_observations=0)
+    selector = TetrisSelector(k=2, extra=2, budget=budget, guard=untrusted)  # resets the guard
+    tie = torch.zeros(1, 2)  # one pass and one failure at the same score: an AUC of 0.5 < 1
+    untrusted.observe(tie, torch.ones(1, 2, dtype=torch.bool), torch.tensor([[True, False]]))
     logprobs = torch.log(torch.full((3, 4), 0.5))
     parents = torch.tensor([[-1, 0, 1, 2]] * 3) if tree else None  # a chain, as a tree
     selection = selector.select(logprobs, parents=parents)

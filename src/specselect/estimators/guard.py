@@ -49,7 +49,7 @@ class RankingGuard:
     the AUC from them — the probability that a random passing token was scored above a random
     failing one. :meth:`trusted` is a 0-dim bool tensor: the scores are trusted *until* there is
     evidence against them, i.e. while fewer than ``min_observations`` tested tokens were seen,
-    or once the AUC is at least ``min_auc``. A selector uses it with ``torch.where``, so the
+    while only one outcome was (no pair to rank), or once the AUC is at least ``min_auc``. A selector uses it with ``torch.where``, so the
     fallback costs no sync.
 
     Trusting before the evidence is what lets a short run use its ranking at all: a guard that
@@ -109,7 +109,13 @@ class RankingGuard:
         return histogram_auc(self._read(torch.device(device)))
 
     def trusted(self, device: torch.device | str = "cpu") -> Tensor:
-        """0-dim bool: too little evidence yet, or AUC >= ``min_auc``."""
+        """0-dim bool: too little evidence yet, only one outcome seen, or AUC >= ``min_auc``.
+
+        Only passes (or only failures) leave no pair to rank: no evidence against the scores.
+        Their AUC reads 0.5, and a draft that is always right used to be sent back to the fixed
+        window, which caps what the goodput budget may verify.
+        """
         histograms = self._read(torch.device(device))
         early = histograms.sum() < self.min_observations
-        return early | (histogram_auc(histograms) >= self.min_auc)
+        one_sided = histograms.sum(dim=1).prod() == 0  # [] no passing-failing pair
+        return early | one_sided | (histogram_auc(histograms) >= self.min_auc)
