@@ -49,8 +49,8 @@ class RankingGuard:
     the AUC from them — the probability that a random passing token was scored above a random
     failing one. :meth:`trusted` is a 0-dim bool tensor: the scores are trusted *until* there is
     evidence against them, i.e. while fewer than ``min_observations`` tested tokens were seen,
-    while only one outcome was (no pair to rank), or once the AUC is at least ``min_auc``. A selector uses it with ``torch.where``, so the
-    fallback costs no sync.
+    while only one outcome was (no pair to rank), or once the AUC is at least ``min_auc``. A
+    selector uses it with ``torch.where``, so the fallback costs no sync.
 
     Trusting before the evidence is what lets a short run use its ranking at all: a guard that
     waited for evidence made TETRIS standard SD for the first few hundred tested tokens (every
