@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from conftest import active_masks, logprob_matrices, logprob_values, paper_tetris, random_logprobs
 from specselect import FixedWindowSelector, native, top_c_mask
+from specselect.estimators import RankingGuard
 from specselect.selectors import TetrisSelector
 from specselect.topc import cheapest_mask, cheapest_mask_torch, cheapest_per_row
 from specselect.tree import chain_parents, path_sums
@@ -677,6 +678,44 @@ def test_a_probe_verifies_what_it_drafted(tree: bool) -> None:
     depths, verified = probe_run(goodput_tetris(COST_SHAPES["steep"], k=2, extra=3), 15, tree)
     assert depths[:5] == [0, 0, 0, 0, 1]
     assert verified == [0, 0, 0, 0, 4] * 3
+
+
+def test_a_probe_is_one_selection() -> None:
+    """The probe flag belongs to the step that planned it: a second select without a new
+    draft_length is the budget's own choice again."""
+    selector = goodput_tetris(COST_SHAPES["steep"], k=2, extra=3)
+    for _ in range(4):
+        assert selector.draft_length(4) == 0
+        selector.observe([0] * 4, [0] * 4)
+    assert selector.draft_length(4) == 1
+    logprobs = torch.full((4, 1), math.log(0.6))
+    assert selector.select(logprobs).lengths.tolist() == [1] * 4  # the probe
+    assert selector.select(logprobs).lengths.tolist() == [0] * 4  # not a probe
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_goodput_guard_fallback_verifies_what_was_drafted(tree: bool) -> None:
+    """While the guard distrusts the scores, the goodput budget verifies everything drafted
+    (the planner's depth, which comes from observed acceptance) in the active rows, not the
+    fixed window ``k``, which would cap a nearly-always-right draft whose scores rank nothing."""
+    untrusted = RankingGuard(min_auc=1.0, min_observations=0)
+    selector = TetrisSelector(
+        1, 3, budget="goodput", cost_model=COST_SHAPES["steep"], estimator=None, guard=untrusted
+    )
+    tie = torch.zeros(1, 2)  # one pass and one failure at the same score: an AUC of 0.5 < 1
+    untrusted.observe(tie, torch.ones(1, 2, dtype=torch.bool), torch.tensor([[True, False]]))
+    logprobs = torch.full((3, 4), math.log(0.6))
+    logprobs[2, 2:] = -math.inf  # row 2 drafted only 2 usable tokens
+    parents = chain_parents(3, 4) if tree else None
+    active = torch.tensor([True, False, True])
+    lengths = selector.select(logprobs, active, parents=parents).lengths.tolist()
+    assert lengths == [4, 0, 2]
+    untrusted.reset()  # trusted again: the budget's own choice, as without a guard
+    own = goodput_tetris(COST_SHAPES["steep"], k=1, extra=3).select(
+        logprobs, active, parents=parents
+    )
+    trusted = selector.select(logprobs, active, parents=parents)
+    assert trusted.lengths.tolist() == own.lengths.tolist() != lengths
 
 
 def test_probes_let_the_default_estimator_learn_a_good_draft() -> None:

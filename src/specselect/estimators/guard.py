@@ -49,7 +49,7 @@ class RankingGuard:
     the AUC from them — the probability that a random passing token was scored above a random
     failing one. :meth:`trusted` is a 0-dim bool tensor: the scores are trusted *until* there is
     evidence against them, i.e. while fewer than ``min_observations`` tested tokens were seen,
-    while only one outcome was (no pair to rank), or once the AUC is at least ``min_auc``. A
+    while no token failed (nothing ranked wrong), or once the AUC is at least ``min_auc``. A
     selector uses it with ``torch.where``, so the fallback costs no sync.
 
     Trusting before the evidence is what lets a short run use its ranking at all: a guard that
@@ -109,13 +109,14 @@ class RankingGuard:
         return histogram_auc(self._read(torch.device(device)))
 
     def trusted(self, device: torch.device | str = "cpu") -> Tensor:
-        """0-dim bool: too little evidence yet, only one outcome seen, or AUC >= ``min_auc``.
+        """0-dim bool: too little evidence yet, no failure seen, or AUC >= ``min_auc``.
 
-        Only passes (or only failures) leave no pair to rank: no evidence against the scores.
-        Their AUC reads 0.5, and a draft that is always right used to be sent back to the fixed
-        window, which caps what the goodput budget may verify.
+        Only passes leave no pair to rank and no wrong ranking: a draft that is always right
+        keeps its scores (their AUC reads 0.5, which used to send it back to the fixed
+        window). Only failures still count as no signal: then the fixed window wastes no more
+        than the scores' ranking, and less than a budget above ``k`` per row.
         """
         histograms = self._read(torch.device(device))
         early = histograms.sum() < self.min_observations
-        one_sided = histograms.sum(dim=1).prod() == 0  # [] no passing-failing pair
-        return early | one_sided | (histogram_auc(histograms) >= self.min_auc)
+        no_failures = histograms[1].sum() == 0  # []
+        return early | no_failures | (histogram_auc(histograms) >= self.min_auc)

@@ -58,6 +58,7 @@ __all__ = [
     "StepTimes",
     "check_cost_model",
     "default_costs",
+    "drafted_mask",
     "goodput_mask",
 ]
 
@@ -238,13 +239,14 @@ class GoodputPlanner:
     one above it, so a depth the planner stopped drafting is valued like the deepest tested.
 
     ``K = 0`` (a plain step) tests nothing, and neither does a step whose budget verifies none
-    of what was drafted (scores that undervalue the draft), so the planner *probes*: after every
-    ``probe_every`` steps in a row that verified nothing it drafts at least one token, unless no
-    acceptance rate could make drafting pay (certain acceptance at every depth still loses to a
-    plain step), and :meth:`select` verifies everything drafted, whatever the estimates say: a
-    probe that tests nothing teaches nothing. Without probes, a prior under which drafting does
-    not pay would never be put to the test. Between probes the counts keep decaying, so where
-    the prior says drafting pays, it also brings drafting back by itself.
+    of what was drafted (scores that undervalue the draft), so the planner *probes*: once
+    ``probe_every`` steps in a row verified nothing, every step drafts at least one token until
+    one verifies something, unless no acceptance rate could make drafting pay (certain
+    acceptance at every depth still loses to a plain step), and :meth:`select` verifies
+    everything drafted, whatever the estimates say: a probe that tests nothing teaches nothing.
+    Without probes, a prior under which drafting does not pay would never be put to the test.
+    Between probes the counts keep decaying, so where the prior says drafting pays, it also
+    brings drafting back by itself.
     """
 
     def __init__(
@@ -305,11 +307,11 @@ class GoodputPlanner:
         return rates
 
     def depth(self, active: int) -> int:
-        """The draft depth for ``active`` rows: :meth:`best_depth`; on a probe (after every
-        ``probe_every`` steps in a row that verified nothing, if certain acceptance would make
-        drafting pay), at least 1, and :meth:`select` then verifies all of it."""
+        """The draft depth for ``active`` rows: :meth:`best_depth`; on a probe (once
+        ``probe_every`` steps in a row verified nothing, if certain acceptance would make
+        drafting pay), at least 1, and the next :meth:`select` verifies all of it."""
         best = self.best_depth(active)
-        self._probing = bool(self._idle) and self._idle % self.probe_every == 0
+        self._probing = self._idle >= self.probe_every
         if self._probing and not best:  # unless no acceptance could make drafting pay
             self._probing = self.best_depth(active, np.ones(self.max_depth)) > 0
         return max(best, 1) if self._probing else best
@@ -348,9 +350,9 @@ class GoodputPlanner:
         rows, width = costs.shape
         if rows * width == 0:
             return torch.zeros(costs.shape, dtype=torch.bool, device=costs.device)
-        if self._probing:  # a host flag: the goodput budget runs eagerly, never captured
-            available = costs < INF  # [B, W]
-            return available if active is None else available & active.unsqueeze(1)
+        probing, self._probing = self._probing, False  # this step's: never a later select's
+        if probing:  # a host flag: the goodput budget runs eagerly, never captured
+            return drafted_mask(costs, active)
         verify, draft = self._device_tables(rows, width, costs.device)
         return goodput_mask(costs, active, verify, draft, passes)
 
@@ -367,6 +369,14 @@ class GoodputPlanner:
                 draft[a] = self.times.draft(a, width)
             tables = self._tables[key] = (_upload(verify, device), _upload(draft, device))
         return tables
+
+
+def drafted_mask(costs: Tensor, active: Tensor | None) -> Tensor:  # [B, W] -> [B, W] bool
+    """Every entry that may be selected (finite cost) in the active rows: what a probe, and
+    TETRIS's guard fallback under the goodput budget, verify. Closed under prefixes and
+    ancestors, since an entry after an unavailable one costs ``+inf`` too."""
+    available = costs < INF  # [B, W]
+    return available if active is None else available & active.unsqueeze(1)
 
 
 def _reaching(depths: np.ndarray, max_depth: int) -> np.ndarray:

@@ -34,6 +34,7 @@ from specselect.selectors.goodput import (
     StepCosts,
     check_cost_model,
     default_costs,
+    drafted_mask,
 )
 from specselect.topc import cheapest_counts, cheapest_mask
 
@@ -67,7 +68,8 @@ class TetrisSelector(Selector):
             the paper.
         guard: fall back to the fixed window ``k`` once the outcomes show that the scores do
             not rank (see :class:`~specselect.estimators.RankingGuard`), so that the worst case
-            is standard SD; ``True`` (default) for the default guard, ``False`` for none.
+            is standard SD (with the goodput budget: every token drafted, the planner's
+            depth); ``True`` (default) for the default guard, ``False`` for none.
         cost_model: the step times the goodput budget plans with (a
             :class:`~specselect.cost.CostModel`, or anything with its ``draft_time`` and
             ``verify_time``); :func:`~specselect.selectors.goodput.default_costs` if omitted.
@@ -153,28 +155,44 @@ class TetrisSelector(Selector):
         # what lets ``cheapest_counts`` skip its sign handling.
         costs = chain_scores(draft_logprobs).abs_()
         best = self._best(costs, active, passes=costs.shape[1])
-        return self._guarded(best, lambda: self._fallback._select(draft_logprobs, active))
+        return self._guarded(
+            best, costs, active, lambda: self._fallback._select(draft_logprobs, active)
+        )
 
     def _select_tree(
         self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor, depth: Tensor
     ) -> Selection:
         # A tree's draft passes are its depth: a device value, which the goodput tables index.
         passes = depth.amax() if depth.numel() else 0
-        best = self._best(tree_scores(draft_logprobs, parents).abs_(), active, passes)
+        costs = tree_scores(draft_logprobs, parents).abs_()
+        best = self._best(costs, active, passes)
         return self._guarded(
-            best, lambda: self._fallback._select_tree(draft_logprobs, active, parents, depth)
+            best,
+            costs,
+            active,
+            lambda: self._fallback._select_tree(draft_logprobs, active, parents, depth),
         )
 
-    def _guarded(self, best: Selection, fallback: Callable[[], Selection]) -> Selection:
+    def _guarded(
+        self,
+        best: Selection,
+        costs: Tensor,  # [B, K] >= +0, +inf where unavailable
+        active: Tensor | None,  # [B] bool
+        fallback: Callable[[], Selection],
+    ) -> Selection:
         """``best``, or standard SD's selection while the guard distrusts the scores.
 
         Both are computed and one is picked on the device: no sync, static shapes. With a
         fixed ``budget`` the fallback keeps to it too: standard SD's windows, trimmed to the
-        ``budget`` shallowest positions (then lowest rows) when they hold more.
+        ``budget`` shallowest positions (then lowest rows) when they hold more. With the
+        goodput budget the window is the planner's depth, chosen from the observed acceptance
+        and not from the scores: everything drafted is verified (``k`` would cap a draft
+        that is nearly always right, whose scores have nothing to rank).
         """
         if self.guard is None:
             return best
-        standard = fallback().mask
+        # The goodput budget's window is the planner's depth: everything drafted.
+        standard = drafted_mask(costs, active) if self._planner is not None else fallback().mask
         if isinstance(self.budget, int):
             standard = _trim(standard, self.budget)
         return Selection.from_mask(
