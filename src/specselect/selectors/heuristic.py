@@ -163,6 +163,7 @@ class HeuristicSelector(Selector):
         return {"k0": k, "max_k": k + extra} if budget is None else None
 
     def _move_state(self, device: torch.device) -> None:
+        super()._move_state(device)
         if self._windows is not None:
             self._windows = self._windows.to(device)
 
