@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from specselect.estimators import RankingGuard
 from specselect.selection import Selection
 from specselect.selectors import TetrisSelector
 
@@ -135,3 +136,11 @@ class OneDevicePerOp(TorchDispatchMode):
         if len(devices) > 1 and func not in self.COPIES:
             raise RuntimeError(f"{func} mixes tensors on {sorted(map(str, devices))}")
         return func(*args, **kwargs)
+
+
+def distrust(guard: RankingGuard) -> None:
+    """Make a ``RankingGuard(min_auc=1.0, min_observations=0)`` distrust its scores: one pass
+    and one failure at the same score give an AUC of 0.5 < 1. Call it after building the
+    selector, whose constructor resets the guard."""
+    tie = torch.zeros(1, 2)
+    guard.observe(tie, torch.ones(1, 2, dtype=torch.bool), torch.tensor([[True, False]]))

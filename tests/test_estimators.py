@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from conftest import OneDevicePerOp, paper_tetris
+from conftest import OneDevicePerOp, distrust, paper_tetris
 from specselect import Selection, TetrisSelector
 from specselect.estimators import (
     ESTIMATORS,
@@ -297,8 +297,7 @@ def test_tetris_guard_fallback_keeps_a_fixed_budget(budget: int, lengths: list, 
     shallowest positions first (then lower rows), and still closed under ancestors."""
     untrusted = RankingGuard(min_auc=1.0, min_observations=0)
     selector = TetrisSelector(k=2, extra=2, budget=budget, guard=untrusted)  # resets the guard
-    tie = torch.zeros(1, 2)  # one pass and one failure at the same score: an AUC of 0.5 < 1
-    untrusted.observe(tie, torch.ones(1, 2, dtype=torch.bool), torch.tensor([[True, False]]))
+    distrust(untrusted)
     logprobs = torch.log(torch.full((3, 4), 0.5))
     parents = torch.tensor([[-1, 0, 1, 2]] * 3) if tree else None  # a chain, as a tree
     selection = selector.select(logprobs, parents=parents)

@@ -17,7 +17,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import active_masks, logprob_matrices, logprob_values, paper_tetris, random_logprobs
+from conftest import (
+    active_masks,
+    distrust,
+    logprob_matrices,
+    logprob_values,
+    paper_tetris,
+    random_logprobs,
+)
 from specselect import FixedWindowSelector, native, top_c_mask
 from specselect.estimators import RankingGuard
 from specselect.selectors import TetrisSelector
@@ -702,8 +709,7 @@ def test_goodput_guard_fallback_verifies_what_was_drafted(tree: bool) -> None:
     selector = TetrisSelector(
         1, 3, budget="goodput", cost_model=COST_SHAPES["steep"], estimator=None, guard=untrusted
     )
-    tie = torch.zeros(1, 2)  # one pass and one failure at the same score: an AUC of 0.5 < 1
-    untrusted.observe(tie, torch.ones(1, 2, dtype=torch.bool), torch.tensor([[True, False]]))
+    distrust(untrusted)
     logprobs = torch.full((3, 4), math.log(0.6))
     logprobs[2, 2:] = -math.inf  # row 2 drafted only 2 usable tokens
     parents = chain_parents(3, 4) if tree else None
