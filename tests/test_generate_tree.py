@@ -27,6 +27,7 @@ from specselect.hf import (
     SamplingParams,
     TreeDrafter,
     TreeSpec,
+    emulate_on_cpu,
     speculative_generate,
 )
 from specselect.hf.compat import ModelHandle
@@ -205,27 +206,34 @@ def test_greedy_tree_cases_cover_both_endings(selector_name: str) -> None:
     )
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "trace"])
 @pytest.mark.parametrize(
     ("selector_name", "rows", "widest"),
     [("fixed", 8, 3), ("tetris-paper", 1, 3), ("tetris-paper", 8, TREE.num_nodes)],
 )
 def test_tree_verify_pass_sends_only_what_can_be_selected(
-    selector_name: str, rows: int, widest: int
+    selector_name: str, rows: int, widest: int, graphs: bool
 ) -> None:
-    """The target's tree pass holds the root and the nodes a row may select: ``k`` for fixed
-    SD, ``k * active`` for TETRIS when the tree has more nodes (one row), the whole tree
-    otherwise; the output stays generate()'s."""
+    """In graph mode the target's tree pass has a static width: the root and the nodes a row
+    may select, ``k`` for fixed SD, ``k * active`` for TETRIS when the tree has more nodes (one
+    row), the whole tree otherwise. Eagerly on a CPU, where reading the selection is free, each
+    pass holds the root and the widest row's selected nodes. The output stays generate()'s."""
     target, draft, ids, mask, eos, reference = case("llama", 0)
     widths: list[int] = []
     forward = ModelCache.forward
+    embedding = target.get_input_embeddings().weight  # (the draft shares target's config)
 
     def spy(self: ModelCache, input_ids: torch.Tensor, *args: object, **kwargs: object):
         # (The cache holds a weak proxy of the model: compare what it delegates to.)
-        if self.handle.model.config is target.config and kwargs.get("block_mask") is not None:
+        model = self.handle.model
+        if (
+            model.get_input_embeddings().weight is embedding
+            and kwargs.get("block_mask") is not None
+        ):
             widths.append(input_ids.shape[1])
         return forward(self, input_ids, *args, **kwargs)
 
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, emulate_on_cpu():
         patch.setattr(ModelCache, "forward", spy)
         out = speculative_generate(
             target,
@@ -237,9 +245,15 @@ def test_tree_verify_pass_sends_only_what_can_be_selected(
             eos_token_id=eos,
             pad_token_id=PAD_ID,
             tree=TREE,
+            cuda_graphs=graphs,
         )
     assert torch.equal(out.sequences, reference[:rows])
-    assert max(widths) == 1 + widest
+    if graphs:  # (replays do not call forward)
+        assert max(widths) == 1 + widest
+    else:  # one pass per step; the last step may be a plain one, without a tree
+        selected = [1 + int(verified.max()) for verified in out.stats.verified_per_step]
+        assert widths == selected[: len(widths)]
+        assert len(widths) >= len(selected) - 1
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 5])

@@ -10,8 +10,9 @@ One *step* for every active row (:mod:`specselect.hf.steps` has the details):
 2. ``selection = selector.select(scores, active)``. When sampling, the selector sees causal
    scores (:func:`~specselect.scores.causal_logprobs`) instead of the raw log q: judging a
    sampled token by its own probability would bias the output.
-3. One target pass over the pending token and all ``k`` drafts (or the tree's nodes), the
-   unselected ones as holes: a static width, so the host needs no sync to know it.
+3. One target pass over the pending token and all ``k`` drafts (or the tree nodes a row may
+   select), the unselected ones as holes: a static width, so the host needs no sync to know it
+   (an eager tree step on a CPU, where a read is free, sends only the widest row's selection).
 4. Greedy or lossless sampling verification; each row emits its accepted drafts plus the
    target's token (cut after an EOS); both caches keep the accepted tokens' entries, the rest
    become holes.
@@ -28,7 +29,9 @@ and replayed (:mod:`specselect.hf.graphs`). Eager and graph mode run the same co
 
 Host syncs per step: exactly one, the read-back of a ``[6, slots]`` int64 report into pinned
 memory (``GenerationState.read_back``): which rows finished, the per-row statistics, and both
-caches' valid counts (for compaction). Everything else stays on the device. transformers adds
+caches' valid counts (for compaction). Everything else stays on the device, except on a CPU,
+where a read waits for nothing: there an eager tree step also reads its widest selection, so
+that its verify pass sends no more nodes than that (``CPU_TREE_READS_PER_STEP``). transformers adds
 no reads of its own, because every pass gets a 4D attention mask. Selectors may sync on their
 own (DSD reads its acceptance statistics every ``interval`` steps), and argument checks read
 values only for CPU tensors outside the loop (:mod:`specselect._checks`; the loop switches them
@@ -72,6 +75,9 @@ _REGISTER = "register_generator_state"
 
 #: Host reads (syncs on an accelerator) per step of the loop itself: the read-back.
 HOST_READS_PER_STEP = 1
+#: Host reads per drafting tree step run eagerly on a CPU: the read-back, and the widest
+#: selection, which sizes the verify pass (``Step.narrow``; a CPU read waits for no device).
+CPU_TREE_READS_PER_STEP = 2
 
 #: Default cache columns per row beyond prompt + max_new_tokens (holes between compactions).
 DEFAULT_CACHE_SLACK = 64
@@ -555,6 +561,7 @@ class _Loop:
 
 
 __all__ = [
+    "CPU_TREE_READS_PER_STEP",
     "DEFAULT_CACHE_SLACK",
     "HOST_READS_PER_STEP",
     "GenerationStats",

@@ -277,9 +277,18 @@ class ModelCache:
             raise RuntimeError(
                 f"internal error: {width} columns reserved with {self.room()} left; compact first"
             )
-        self.used += width
+        self._account(self.used + width)
+
+    def release(self, width: int) -> None:
+        """Give back ``width`` reserved columns that no pass will write after all."""
+        if not 0 <= width <= self.used:
+            raise RuntimeError(f"internal error: {width} columns released of {self.used} used")
+        self._account(self.used - width)
+
+    def _account(self, used: int) -> None:
+        self.used = used
         if not self.static_span:
-            self.kv.span = min(-(-self.used // SPAN_STEP) * SPAN_STEP, self.capacity)
+            self.kv.span = min(-(-used // SPAN_STEP) * SPAN_STEP, self.capacity)
 
     def reset(self) -> None:
         """Empty every row (a new generation): no valid column, positions 0."""

@@ -10,9 +10,10 @@ A step is the same five parts for both (the skeleton is :meth:`Step.run`):
 3. **select**: ``selector.select`` on the caller's rows, eagerly between the stages, or captured
    with the verify stage when the selector allows it (its
    :attr:`~specselect.selection.Selector.capture_key`);
-4. **verify** (a stage): one target pass over the pending token and *every* drafted token,
-   the unselected ones as holes (a static width, so the step needs no sync to know it), then
-   greedy or lossless sampling verification, both caches' commits, emission and the report;
+4. **verify** (a stage): one target pass over the pending token and every drafted token a row
+   may select, the unselected ones as holes (a static width, so the step needs no sync to know
+   it; :meth:`Step.narrow` cuts it where a read is free), then greedy or lossless sampling
+   verification, both caches' commits, emission and the report;
 5. **update**: ``selector.update`` (eager, or captured with selection), then the state's one
    read-back, and ``selector.observe`` with the verified and accepted counts it brought back.
 
@@ -108,6 +109,7 @@ class Step(abc.ABC):
         capture = self._selector_capture()
         if capture is None:
             self.select(plan)
+            plan = self.narrow(plan)
             clock.lap()
             key = ("verify", state.size, plan.key, plan.target_columns)
             self.runner(key, lambda: self.verify(plan))
@@ -177,6 +179,20 @@ class Step(abc.ABC):
     def select(self, plan: Plan) -> None:
         """Run the selector and write the per-slot selection to ``state.io`` (eagerly, or in
         the verify stage with a capturable selector)."""
+
+    def narrow(self, plan: Plan) -> Plan:
+        """The plan with its verify pass cut to what the selection needs, after an eager
+        :meth:`select` (default: unchanged, the static width)."""
+        return plan
+
+    @property
+    def reads_widths(self) -> bool:
+        """Whether :meth:`narrow` may read the selection on the host: only eagerly on a CPU.
+
+        The static verify width spares an accelerator the sync such a read costs, and costs
+        little where a pass's time is flat in its width. On a CPU a read waits for nothing and
+        a pass's compute grows with every column it sends, holes included."""
+        return self.runner.mode == "eager" and self.state.device.type == "cpu"
 
     @abc.abstractmethod
     def verify(self, plan: Plan) -> None:
@@ -379,6 +395,21 @@ class TreeStep(Step):
         if sent < nodes:
             selected = selected & (selected.to(torch.int64).cumsum(dim=1) <= sent)  # [b, N]
         self._io("selected", (size, nodes), torch.bool).copy_(selected)
+
+    def narrow(self, plan: Plan) -> Plan:
+        """On a CPU, send only as many nodes as the widest row selected, rather than the
+        selector's bound (a budgeted TETRIS row may take every node, so the bound is often the
+        whole tree): the unused cache columns go back to the target's cache."""
+        if not self.reads_widths or plan.width == 0:
+            return plan
+        state = self.state
+        selected = self._io("selected", (state.size, self._spec(plan).num_nodes), torch.bool)
+        widest = int(selected.sum(dim=1).max())  # a host read, free on a CPU
+        unused = plan.target_columns - 1 - widest
+        if unused <= 0:
+            return plan
+        state.target.release(unused)
+        return replace(plan, target_columns=1 + widest)
 
     def verify(self, plan: Plan) -> None:
         if plan.width == 0:
