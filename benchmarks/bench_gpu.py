@@ -23,7 +23,9 @@ HF assisted generation (batch 1), and ``speculative_generate`` with every regist
 Part **s** — selection alone: µs per ``select`` + ``update`` at ``K = 8`` drafted tokens per row,
 for fixed k=3, paper and default TETRIS, eager and replayed from a CUDA graph (captured after a
 warm-up step, as the loop does), and whether every replayed selection equals the eager one
-(two selectors fed the same random steps).
+(two selectors fed the same random steps); and the same step compiled by ``torch.compile``
+(Inductor fuses the element-wise work into a few kernels), captured and replayed, with the same
+check.
 
 Every timed call follows an untimed warm-up call of the same shape (graph mode captures there;
 later calls replay). Times are medians of ``--repeats`` calls, synchronised.
@@ -296,29 +298,65 @@ class SelectionSteps:
         return run
 
 
+@dataclass
+class SelectionCost:
+    """µs per select + update at one batch size, and whether each faster way selected exactly
+    what the eager selector did at every step (``None``: not run)."""
+
+    eager: float
+    replayed: float | None = None
+    replay_same: bool | None = None
+    compiled: float | None = None  # torch.compile (Inductor), then replayed on a GPU
+    compiled_same: bool | None = None
+
+
 def selection_cost(
-    spec: dict[str, Any], batch: int, width: int, device: torch.device, steps: int
-) -> tuple[float, float | None, bool]:
-    """(eager µs, replayed µs or None, whether every replayed selection equals the eager one)
-    per select + update at one batch size; two selectors of ``spec`` see the same steps."""
+    spec: dict[str, Any], batch: int, width: int, device: torch.device, steps: int, fuse: bool
+) -> SelectionCost:
+    """Eager, replayed and (with ``fuse``) compiled select + update of ``spec``; three
+    selectors see the same steps. Compiled: ``torch.compile`` fuses the selector's element-wise
+    work into a few kernels (Inductor); on a GPU the compiled step is then captured and
+    replayed like the plain one, after two warm-up calls (compilation happens outside the
+    capture)."""
     buffers = SelectionSteps.random(batch, width, steps, device)
-    eager, graphed = make_selector(**spec), make_selector(**spec)
+    eager, graphed, compiled = (make_selector(**spec) for _ in range(3))
     key = graphed.capture_key
     runner = StageRunner("cuda" if device.type == "cuda" else "trace")
-    same = True
+    fused = None
+    if fuse and key is not None:
+        # Every cell compiles the same function for another selector: forget the last cell's
+        # compilations, or their count would reach Dynamo's recompile limit.
+        torch._dynamo.reset()
+        fused = torch.compile(buffers.stage(compiled), fullgraph=True)
+    cost = SelectionCost(0.0)
     with torch.no_grad(), trusted_values():
+
+        def run_fused(step: int) -> None:
+            assert fused is not None
+            # On the CPU (trace mode cannot trace a compiled function) it runs as compiled.
+            replay = device.type == "cuda" and step >= 2
+            runner(("compiled", key), fused) if replay else fused()
+
         for step in range(steps):  # the selections, step by step (and the captures' warm-up)
             buffers.load(step)
             buffers.stage(eager)()
             expected = buffers.mask.clone()
             if key is not None:
                 runner(key, buffers.stage(graphed))
-                same = same and torch.equal(buffers.mask, expected)
-        eager_us = _per_call_us(buffers.stage(eager), device, steps)
-        replay_us = None
+                cost.replay_same = cost.replay_same is not False and torch.equal(
+                    buffers.mask, expected
+                )
+            if fused is not None:
+                run_fused(step)
+                cost.compiled_same = cost.compiled_same is not False and torch.equal(
+                    buffers.mask, expected
+                )
+        cost.eager = _per_call_us(buffers.stage(eager), device, steps)
         if key is not None:
-            replay_us = _per_call_us(lambda: runner(key, buffers.stage(graphed)), device, steps)
-    return eager_us, replay_us, same
+            cost.replayed = _per_call_us(lambda: runner(key, buffers.stage(graphed)), device, steps)
+        if fused is not None:
+            cost.compiled = _per_call_us(lambda: run_fused(steps), device, steps)
+    return cost
 
 
 def _per_call_us(call: Callable[[], None], device: torch.device, calls: int) -> float:
@@ -338,17 +376,30 @@ def part_s(args: argparse.Namespace, device: torch.device) -> str:
         f"K = {width} drafted tokens per row; µs per select + update, {args.select_steps} "
         "steps of random draft log-probs and acceptance.",
         "",
-        "| B | selector | eager µs | replayed µs | replay = eager |",
-        "|---:|---|---:|---:|---|",
+        "| B | selector | eager µs | replayed µs | replay = eager | compiled µs | "
+        "compiled = eager |",
+        "|---:|---|---:|---:|---|---:|---|",
     ]
     for batch in args.select_batch_sizes:
         for label, spec in selection_configs(args.k, width):
-            eager, replay, same = selection_cost(spec, batch, width, device, args.select_steps)
-            replayed = "" if replay is None else f"{replay:.0f}"
-            check = "" if replay is None else ("yes" if same else "**no**")
-            lines.append(f"| {batch} | {label} | {eager:.0f} | {replayed} | {check} |")
+            cost = selection_cost(spec, batch, width, device, args.select_steps, args.compile)
+            cells = [
+                "" if value is None else f"{value:.0f}" if isinstance(value, float) else value
+                for value in (
+                    cost.eager,
+                    cost.replayed,
+                    _agrees(cost.replay_same),
+                    cost.compiled,
+                    _agrees(cost.compiled_same),
+                )
+            ]
+            lines.append(f"| {batch} | {label} | " + " | ".join(cells) + " |")
         print(f"  selection batch {batch} done", file=sys.stderr)
     return "\n".join(lines)
+
+
+def _agrees(same: bool | None) -> str | None:
+    return None if same is None else "yes" if same else "**no**"
 
 
 # ------------------------------------------------------------------------------ part b
@@ -607,6 +658,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--select-batch-sizes", default="1,8,32,64,256", help="part s")
     parser.add_argument("--select-width", type=int, default=8, help="part s: K per row")
     parser.add_argument("--select-steps", type=int, default=200, help="part s: steps timed")
+    parser.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="part s: skip the torch.compile column (compiling takes a minute per cell)",
+    )
     parser.add_argument("--corpus-mb", type=float, default=120.0, help="part b: corpus size")
     parser.add_argument("--train-minutes", type=float, default=4.0)
     parser.add_argument("--distill-minutes", type=float, default=1.5)
