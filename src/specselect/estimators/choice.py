@@ -23,7 +23,7 @@ LOG_EPS = math.log(EPS)  # a token's log-loss is capped at -log(EPS) (a probabil
 # of the learned estimate, and the decayed count of tested tokens. The rest are each ranking's
 # decayed histograms of the scores that passed and failed (see _split).
 DRAFT, LEARNED, TESTED = range(3)
-RANKINGS = 2  # the draft's probability, the learned estimate
+RANKINGS = 2  # the draft's probability, the learned estimate (DRAFT and LEARNED index them too)
 
 
 class RankingChoice(AcceptanceEstimator):
