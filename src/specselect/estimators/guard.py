@@ -26,15 +26,16 @@ def score_cells(log_p: Tensor) -> Tensor:  # [..., N] -> [..., N] int64
     return scaled.clamp_(0, BINS - 1).to(torch.int64)
 
 
-def histogram_auc(histograms: Tensor) -> Tensor:  # [2, BINS] -> 0-dim
+def histogram_auc(histograms: Tensor) -> Tensor:  # [..., 2, BINS] -> [...]
     """AUC from the histograms of the scores that passed (row 0) and failed (row 1): the
     chance that a random passing token was scored above a random failing one (ties count
-    half); 0.5 when either is empty."""
-    hist_pass, hist_fail = histograms.unbind(0)  # [BINS] each
+    half); 0.5 when either is empty. Leading dimensions are independent pairs of histograms
+    (the default estimator compares two scores' AUCs in one call)."""
+    hist_pass, hist_fail = histograms.unbind(-2)  # [..., BINS] each
     # Failing tokens in lower bins, and half of those in the same bin.
-    below = torch.sub(torch.cumsum(hist_fail, 0), hist_fail, alpha=0.5)  # [BINS]
-    wins = torch.dot(hist_pass, below)
-    pairs = histograms.sum(dim=1).prod()
+    below = torch.sub(torch.cumsum(hist_fail, -1), hist_fail, alpha=0.5)  # [..., BINS]
+    wins = (hist_pass * below).sum(-1)  # [...]
+    pairs = histograms.sum(dim=-1).prod(dim=-1)  # [...]
     # The exact ratio however few pairs are left: a batch that keeps accepting everything
     # decays the failures towards float32's smallest values, and a floor on ``pairs`` would
     # turn their AUC into ~0 (a ranking that looks inverted) long before they are empty.

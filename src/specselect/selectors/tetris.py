@@ -62,10 +62,10 @@ class TetrisSelector(Selector):
             ``"draft"``, ``"calibrated"``, ``"history"``, ``"choice"``) that turns draft
             log-probabilities into estimated acceptance log-probabilities before ranking. The
             default, :class:`~specselect.estimators.RankingChoice`, ranks by the draft
-            probabilities (as the paper) until a learned estimate has predicted the tested
-            tokens' acceptance better, then by the learned estimate (docs: "Acceptance
-            estimators"); ``None`` ranks by the draft probabilities themselves, exactly as in
-            the paper.
+            probabilities (as the paper) until a learned estimate has predicted or ordered
+            the tested tokens' acceptance better, then by the learned estimate (docs:
+            "Acceptance estimators"); ``None`` ranks by the draft probabilities themselves,
+            exactly as in the paper.
         guard: fall back to the fixed window ``k`` once the outcomes show that the scores do
             not rank (see :class:`~specselect.estimators.RankingGuard`), so that the worst case
             is standard SD (with the goodput budget: every token drafted, the planner's
