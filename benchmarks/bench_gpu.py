@@ -298,65 +298,60 @@ class SelectionSteps:
         return run
 
 
+#: The faster ways of part s, beside eager: the column labels of their times.
+WAYS = ("replayed", "compiled")
+
+
 @dataclass
 class SelectionCost:
-    """µs per select + update at one batch size, and whether each faster way selected exactly
-    what the eager selector did at every step (``None``: not run)."""
+    """µs per select + update at one batch size: eager, and each of :data:`WAYS` that ran,
+    with whether it selected exactly what the eager selector did at every step."""
 
     eager: float
-    replayed: float | None = None
-    replay_same: bool | None = None
-    compiled: float | None = None  # torch.compile (Inductor), then replayed on a GPU
-    compiled_same: bool | None = None
+    times: dict[str, float]
+    same: dict[str, bool]
 
 
 def selection_cost(
     spec: dict[str, Any], batch: int, width: int, device: torch.device, steps: int, fuse: bool
 ) -> SelectionCost:
-    """Eager, replayed and (with ``fuse``) compiled select + update of ``spec``; three
-    selectors see the same steps. Compiled: ``torch.compile`` fuses the selector's element-wise
-    work into a few kernels (Inductor); on a GPU the compiled step is then captured and
-    replayed like the plain one, after two warm-up calls (compilation happens outside the
-    capture)."""
+    """Eager, replayed and (with ``fuse``) compiled select + update of ``spec``, each with its
+    own selector, all fed the same steps. Compiled: ``torch.compile`` fuses the selector's
+    element-wise work into a few kernels (Inductor); on a GPU the compiled step is then
+    captured and replayed like the plain one, after two warm-up calls (compilation happens
+    outside the capture; on the CPU, trace mode cannot trace a compiled function, so it runs
+    as compiled)."""
     buffers = SelectionSteps.random(batch, width, steps, device)
     eager, graphed, compiled = (make_selector(**spec) for _ in range(3))
     key = graphed.capture_key
     runner = StageRunner("cuda" if device.type == "cuda" else "trace")
-    fused = None
-    if fuse and key is not None:
-        # Every cell compiles the same function for another selector: forget the last cell's
-        # compilations, or their count would reach Dynamo's recompile limit.
-        torch._dynamo.reset()
-        fused = torch.compile(buffers.stage(compiled), fullgraph=True)
-    cost = SelectionCost(0.0)
+    ways: dict[str, Callable[[int], None]] = {}  # name -> a call at a step
+    if key is not None:
+        ways["replayed"] = lambda step: runner(key, buffers.stage(graphed))
+        if fuse:
+            # Every cell compiles the same function for another selector: forget the last
+            # cell's compilations, or their count would reach Dynamo's recompile limit.
+            torch._dynamo.reset()
+            fused = torch.compile(buffers.stage(compiled), fullgraph=True)
+            replays = device.type == "cuda"
+            ways["compiled"] = lambda step: (
+                runner(("compiled", key), fused) if replays and step >= 2 else fused()
+            )
+    same = dict.fromkeys(ways, True)
     with torch.no_grad(), trusted_values():
-
-        def run_fused(step: int) -> None:
-            assert fused is not None
-            # On the CPU (trace mode cannot trace a compiled function) it runs as compiled.
-            replay = device.type == "cuda" and step >= 2
-            runner(("compiled", key), fused) if replay else fused()
-
         for step in range(steps):  # the selections, step by step (and the captures' warm-up)
             buffers.load(step)
             buffers.stage(eager)()
             expected = buffers.mask.clone()
-            if key is not None:
-                runner(key, buffers.stage(graphed))
-                cost.replay_same = cost.replay_same is not False and torch.equal(
-                    buffers.mask, expected
-                )
-            if fused is not None:
-                run_fused(step)
-                cost.compiled_same = cost.compiled_same is not False and torch.equal(
-                    buffers.mask, expected
-                )
-        cost.eager = _per_call_us(buffers.stage(eager), device, steps)
-        if key is not None:
-            cost.replayed = _per_call_us(lambda: runner(key, buffers.stage(graphed)), device, steps)
-        if fused is not None:
-            cost.compiled = _per_call_us(lambda: run_fused(steps), device, steps)
-    return cost
+            for name, way in ways.items():
+                way(step)
+                same[name] = same[name] and torch.equal(buffers.mask, expected)
+        eager_us = _per_call_us(buffers.stage(eager), device, steps)
+        times = {
+            name: _per_call_us(lambda way=way: way(steps), device, steps)
+            for name, way in ways.items()
+        }
+    return SelectionCost(eager_us, times, same)
 
 
 def _per_call_us(call: Callable[[], None], device: torch.device, calls: int) -> float:
@@ -383,23 +378,17 @@ def part_s(args: argparse.Namespace, device: torch.device) -> str:
     for batch in args.select_batch_sizes:
         for label, spec in selection_configs(args.k, width):
             cost = selection_cost(spec, batch, width, device, args.select_steps, args.compile)
-            cells = [
-                "" if value is None else f"{value:.0f}" if isinstance(value, float) else value
-                for value in (
-                    cost.eager,
-                    cost.replayed,
-                    _agrees(cost.replay_same),
-                    cost.compiled,
-                    _agrees(cost.compiled_same),
-                )
-            ]
+            cells = [f"{cost.eager:.0f}"]
+            for name in WAYS:
+                ran = name in cost.times
+                cells += [f"{cost.times[name]:.0f}", _agrees(cost.same[name])] if ran else ["", ""]
             lines.append(f"| {batch} | {label} | " + " | ".join(cells) + " |")
         print(f"  selection batch {batch} done", file=sys.stderr)
     return "\n".join(lines)
 
 
-def _agrees(same: bool | None) -> str | None:
-    return None if same is None else "yes" if same else "**no**"
+def _agrees(same: bool) -> str:
+    return "yes" if same else "**no**"
 
 
 # ------------------------------------------------------------------------------ part b

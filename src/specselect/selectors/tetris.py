@@ -191,7 +191,6 @@ class TetrisSelector(Selector):
         """
         if self.guard is None:
             return best
-        # The goodput budget's window is the planner's depth: everything drafted.
         standard = drafted_mask(costs, active) if self._planner is not None else fallback().mask
         if isinstance(self.budget, int):
             standard = _trim(standard, self.budget)
