@@ -7,6 +7,7 @@ recurrence, the +2 / -1 schedule), written out by hand, not taken from the code 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -244,7 +245,7 @@ EMA_STEPS = [
 def test_dsd_ema_after_updates(num_steps: int) -> None:
     selector = DSDSelector(alpha0=0.6)
     for lengths, accepted in EMA_STEPS[:num_steps]:
-        selector.update(selection_of(lengths, 5), torch.tensor(accepted))
+        selector.observe(lengths, accepted)
     expected = hand_ema(0.6, EMA_STEPS[:num_steps])
     assert selector.acceptance_estimate() == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
@@ -261,7 +262,7 @@ def test_dsd_window_is_rechosen_only_every_interval_steps() -> None:
             known_alpha = hand_ema(0.95, history)
         expected_windows.append(hand_window(known_alpha, batch, max_k, cost, 512.0))
         windows.append(selector.draft_length(batch))
-        selector.update(selection_of(rejections[0], 2), torch.tensor(rejections[1]))
+        selector.observe(*rejections)
         history.append(rejections)
     assert windows == expected_windows
     assert len(set(windows)) > 2, "the case must make the window change at several re-choices"
@@ -272,10 +273,29 @@ def test_dsd_between_rechoices_follows_the_number_of_active_requests() -> None:
     cost = GPU_LIKE
     selector = DSDSelector(max_k=8, cost_model=cost, interval=10, alpha0=0.9)
     assert selector.draft_length(8) == hand_window(0.9, 8, 8, cost, 512.0)
-    selector.update(selection_of([4] * 8, 4), torch.zeros(8, dtype=torch.int64))
+    selector.observe([4] * 8, [0] * 8)
     got = selector.draft_length(256)
     assert got == hand_window(0.9, 256, 8, cost, 512.0)
     assert got != selector.draft_length(8), "batch size must matter in this case"
+
+
+def test_dsd_warns_once_when_observe_is_never_called() -> None:
+    """DSD learns from observe() alone: a loop that only calls update() would keep the window
+    of alpha0 forever, so after interval + 1 unobserved steps it says so, once per generation;
+    a loop that observes every step hears nothing."""
+    selector = DSDSelector(max_k=4, cost_model=GPU_LIKE, interval=3)
+    for observed in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(20):
+                selection = selector.select(torch.zeros(2, selector.draft_length(2)))
+                selector.update(selection, selection.lengths)
+                if observed:
+                    selector.observe(selection.lengths.tolist(), selection.lengths.tolist())
+        messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+        assert len(messages) == (0 if observed else 1)
+        assert observed or "learns from observe()" in messages[0]
+        selector.reset()
 
 
 def test_dsd_select_is_window_clipped_by_available() -> None:
@@ -292,7 +312,7 @@ def test_dsd_reset_forgets_feedback() -> None:
     selector = DSDSelector(max_k=8, cost_model=GPU_LIKE, interval=1, alpha0=0.9)
     first = selector.draft_length(4)
     for _ in range(5):
-        selector.update(selection_of([3] * 4, 3), torch.zeros(4, dtype=torch.int64))
+        selector.observe([3] * 4, [0] * 4)
     assert selector.draft_length(4) < first
     selector.reset()
     assert selector.acceptance_estimate() == 0.9
@@ -457,8 +477,8 @@ def test_dsd_probes_when_a_window_of_zero_looks_best() -> None:
     for _ in range(12):
         window = selector.draft_length(2)
         windows.append(window)
-        selection = selector.select(torch.zeros(2, window))
-        selector.update(selection, selection.lengths)  # everything verified is accepted
+        lengths = selector.select(torch.zeros(2, window)).lengths.tolist()
+        selector.observe(lengths, lengths)  # everything verified is accepted
     assert windows[:4] == [0, 0, 0, 0]  # the prior says drafting does not pay
     assert windows[4:8] == [1, 1, 1, 1]  # a probe interval
     assert min(windows[8:]) >= 1  # the probes were all accepted: drafting pays after all

@@ -300,6 +300,42 @@ def test_tetris_moves_budget_between_trees() -> None:
     assert max(int(v.max()) for v in out.stats.verified_per_step) > 3
 
 
+def test_observe_gets_each_rows_deepest_verified_depth() -> None:
+    """The loop's host feedback carries, per active row, the depth of the deepest node the row
+    verified: what the selector's own device view of its selection says (host planners read a
+    tree's outcome per depth from it)."""
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    selector = SELECTORS["tetris-paper"]()
+    active: list[torch.Tensor] = []  # [B] bool per step
+    expected: list[list[int]] = []
+    observed: list[list[int]] = []
+    select, update, observe = selector.select, selector.update, selector.observe
+
+    def spy_select(draft_logprobs: torch.Tensor, rows: torch.Tensor, **kwargs: object):
+        active.append(rows)
+        return select(draft_logprobs, rows, **kwargs)  # type: ignore[arg-type]
+
+    def spy_update(selection, *args: object, **kwargs: object) -> None:
+        depths = selector._selected_depths(selection)  # [B]
+        expected.append(depths[active[-1]].tolist())
+        update(selection, *args, **kwargs)  # type: ignore[arg-type]
+
+    def spy_observe(verified, accepted, deepest=None) -> None:
+        observed.append(list(deepest))
+        observe(verified, accepted, deepest)
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, spy in (("select", spy_select), ("update", spy_update), ("observe", spy_observe)):
+            patch.setattr(selector, name, spy)
+        speculative_generate(
+            target, draft, ids, mask, selector=selector, max_new_tokens=MAX_NEW,
+            eos_token_id=eos, pad_token_id=PAD_ID, tree=TREE,
+        )  # fmt: skip
+    assert observed[: len(expected)] == expected
+    assert len(expected) >= len(observed) - 1  # the last step may be a plain one
+    assert len({d for step in expected for d in step}) > 2, "depths must vary"
+
+
 ROWS_PER_PROMPT = 3000
 
 

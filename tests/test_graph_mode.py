@@ -45,8 +45,9 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 T = TypeVar("T")
 
 # (selector spec, tree): selectors captured with the verify pass (fixed, paper TETRIS, the
-# default TETRIS, which learns in place) and run eagerly between the stages (the goodput budget
-# plans on the host), chains and trees.
+# default TETRIS, which learns in place, DSD per window) and run eagerly between the stages (the
+# goodput budget plans on the host), chains and trees. DSD re-chooses its window every other
+# step, from what observe() brings.
 PAPER = {"name": "tetris", "k": 3, "extra": 2, "estimator": None, "guard": False}
 CONFIGS = {
     "fixed": ({"name": "fixed", "k": 3}, None),
@@ -54,6 +55,8 @@ CONFIGS = {
     "goodput": ({"name": "tetris", "k": 3, "extra": 2, "budget": "goodput"}, None),
     "tetris-tree": ({"name": "tetris", "k": 3, "extra": 2}, TreeSpec(3, 2, 2)),
     "paper-tree": (PAPER, TreeSpec(3, 2, 2)),
+    "dsd": ({"name": "dsd", "max_k": 4, "interval": 2}, None),
+    "dsd-tree": ({"name": "dsd", "max_k": 3, "interval": 2}, TreeSpec(3, 2, 2)),
     "plain": (None, None),
 }
 
@@ -211,11 +214,17 @@ def test_a_kept_workspace_does_not_keep_the_models_alive() -> None:
 
 @pytest.mark.parametrize(
     ("config", "captured"),
-    [("fixed", True), ("paper-tree", True), ("tetris", True), ("goodput", False)],
+    [
+        ("fixed", True),
+        ("paper-tree", True),
+        ("tetris", True),
+        ("dsd-tree", True),
+        ("goodput", False),
+    ],
 )
 def test_selection_is_captured_only_for_capturable_selectors(config: str, captured: bool) -> None:
     """Graph mode replays select + update inside the verify graph when the selector has a
-    capture_key (fixed, the paper's TETRIS, the default TETRIS), and runs them eagerly
+    capture_key (fixed, the paper's TETRIS, the default TETRIS, DSD), and runs them eagerly
     otherwise (the goodput budget)."""
     target, draft, ids, mask, eos, _ = case("llama", 0)
     keys: list[object] = []

@@ -762,20 +762,23 @@ class ObserveSpy(FixedWindowSelector):
 
     def __init__(self, k: int) -> None:
         super().__init__(k)
-        self.observed: list[tuple[list[int], list[int]]] = []
+        self.observed: list[tuple[list[int], ...]] = []
 
-    def _observe(self, verified: list[int], accepted: list[int]) -> None:
-        self.observed.append((verified, accepted))
+    def _observe(self, verified: list[int], accepted: list[int], deepest: list[int]) -> None:
+        self.observed.append((verified, accepted, deepest))
 
 
 def test_replay_calls_observe_with_each_steps_outcomes(random_run_traces: Traces) -> None:
-    """Once per step, after update: the active slots' verified and accepted counts."""
+    """Once per step, after update: the active slots' verified and accepted counts (and, for
+    these chains, the verified counts as the deepest verified depths)."""
     spy = ObserveSpy(2)
     steps = list(iter_replay(random_run_traces, spy, slots=3))
     assert spy.observed == [
-        (s.selection.lengths[s.active].tolist(), s.accepted[s.active].tolist()) for s in steps
+        (verified, s.accepted[s.active].tolist(), verified)
+        for s in steps
+        for verified in [s.selection.lengths[s.active].tolist()]
     ]
-    assert any(len(verified) < 3 for verified, _ in spy.observed)  # inactive slots left out
+    assert any(len(verified) < 3 for verified, *_ in spy.observed)  # inactive slots left out
 
 
 LIVE_CONFIGS = {name: selector_grid([name], [2], [2])[0] for name in SELECTORS}
@@ -846,9 +849,10 @@ def test_speculative_generate_calls_observe_like_replay(tiny_pair: tuple, model_
             zip(stats.verified_per_step, stats.accepted_per_step, strict=True)
         ):
             rows = [i for i, n in enumerate(stats.row_steps.tolist()) if t < n]
-            expected.append(([int(verified[i]) for i in rows], [int(accepted[i]) for i in rows]))
+            counts = [int(verified[i]) for i in rows]
+            expected.append((counts, [int(accepted[i]) for i in rows], counts))
     assert spy.observed == expected
-    assert any(len(v) < 3 for v, _ in expected)  # finished rows are left out
+    assert any(len(v) < 3 for v, *_ in expected)  # finished rows are left out
     live = spy.observed
     spy.observed = []
     replay(model_traces, spy, slots=3, refill=False)

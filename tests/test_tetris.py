@@ -672,7 +672,8 @@ def probe_run(selector: TetrisSelector, steps: int, tree: bool = False) -> tuple
         nodes = selection.mask if tree else None
         selector.update(selection, selection.lengths, accepted_nodes=nodes)
         verified.append(selection.lengths.tolist())
-        selector.observe(verified[-1], verified[-1])
+        # (chain-shaped trees: each row's deepest verified depth is its node count)
+        selector.observe(verified[-1], verified[-1], verified[-1] if tree else None)
     return depths, [sum(lengths) for lengths in verified]
 
 
@@ -767,7 +768,7 @@ def test_goodput_acceptance_model_by_hand() -> None:
     """Depth rates are pooled over rows: a row that verified 3 and accepted 1 tested depths 1
     and 2 and passed depth 1; untested depths shrink to the depth above."""
     planner = goodput_tetris(COST_SHAPES["flat"], k=2, extra=1)._planner
-    planner.observe([3, 3, 0], [1, 3, 0])
+    planner.observe([3, 3, 0], [1, 3, 0], [3, 3, 0])
     # depth 1: 2 passed of 2 tested; depth 2: 1 of 2; depth 3: 1 of 1 (prior 0.7, strength 2)
     first = (2 + 2 * 0.7) / (2 + 2)
     second = (1 + 2 * first) / (2 + 2)
@@ -775,22 +776,38 @@ def test_goodput_acceptance_model_by_hand() -> None:
     assert planner.acceptance().tolist() == pytest.approx([first, second, third])
 
 
+def test_goodput_acceptance_model_reads_trees_per_depth() -> None:
+    """A tree row that verified 5 nodes down to depth 2 and accepted 2 tested depths 1 and 2
+    only: its other nodes were siblings, so depth 3 was never tested (it is no failure)."""
+    planner = goodput_tetris(COST_SHAPES["flat"], k=2, extra=1)._planner
+    planner.observe([5, 4], [2, 0], deepest=[2, 3])
+    # depth 1: 1 passed of 2 tested; depth 2: 1 of 1; depth 3: untested
+    first = (1 + 2 * 0.7) / (2 + 2)
+    second = (1 + 2 * first) / (1 + 2)
+    assert planner.acceptance().tolist() == pytest.approx([first, second, second])
+
+
 @pytest.mark.parametrize(
-    ("verified", "accepted", "error", "match"),
+    ("outcomes", "error", "match"),
     [
-        ([1, 2], [1], ValueError, "one entry per active row"),
-        ([1, 2], [2, 0], ValueError, r"accepted\[0\] = 2 > verified\[0\] = 1"),
-        ([1, -2], [0, 0], ValueError, r"verified\[1\] must be >= 0"),
-        ([1.5], [0], TypeError, r"verified\[0\] must be an int"),
-        ([True], [0], TypeError, r"verified\[0\] must be an int"),
-        (torch.tensor([1]), [0], TypeError, "verified must be a sequence"),
-        ("12", [0, 0], TypeError, "verified must be a sequence"),
+        (([1, 2], [1]), ValueError, "one entry per active row"),
+        (([1, 2], [2, 0]), ValueError, r"accepted\[0\] = 2 > verified\[0\] = 1"),
+        (([1, -2], [0, 0]), ValueError, r"verified\[1\] must be >= 0"),
+        (([1.5], [0]), TypeError, r"verified\[0\] must be an int"),
+        (([True], [0]), TypeError, r"verified\[0\] must be an int"),
+        ((torch.tensor([1]), [0]), TypeError, "verified must be a sequence"),
+        (("12", [0, 0]), TypeError, "verified must be a sequence"),
+        (([3, 2], [1, 0], [2]), ValueError, "got 2 verified and 1 deepest"),
+        (([3, 2], [2, 0], [1, 1]), ValueError, r"accepted\[0\] = 2 > deepest\[0\] = 1"),
+        (([3, 2], [1, 0], [1, 3]), ValueError, r"deepest\[1\] = 3 > verified\[1\] = 2"),
+        (([3], [1], (2.0,)), TypeError, r"deepest\[0\] must be an int"),
+        (([3, 0], [0, 0], [0, 0]), ValueError, r"deepest\[0\] must be >= 1 where the row"),
     ],
 )
-def test_observe_rejects_bad_outcomes(verified, accepted, error: type, match: str) -> None:
+def test_observe_rejects_bad_outcomes(outcomes: tuple, error: type, match: str) -> None:
     selector = goodput_tetris(COST_SHAPES["flat"])
     with pytest.raises(error, match=match):
-        selector.observe(verified, accepted)
+        selector.observe(*outcomes)
 
 
 @pytest.mark.parametrize(
@@ -799,11 +816,14 @@ def test_observe_rejects_bad_outcomes(verified, accepted, error: type, match: st
         ({"budget": "throughput"}, ValueError, "budget must be an int >= 0, None or 'goodput'"),
         ({"budget": "goodput", "cost_model": object()}, TypeError, "cost_model must have"),
         ({"budget": 3, "cost_model": 1.5}, TypeError, "cost_model must have"),
+        ({"k": 0, "extra": 0, "budget": "goodput"}, ValueError, "k \\+ extra must be >= 1"),
+        ({"guard": 1}, TypeError, "guard must be True, False or a RankingGuard, got int"),
+        ({"guard": "yes"}, TypeError, "guard must be True, False or a RankingGuard, got str"),
     ],
 )
-def test_goodput_budget_bad_arguments(kwargs: dict, error: type, match: str) -> None:
+def test_tetris_bad_arguments(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
-        paper_tetris(k=2, **kwargs)
+        TetrisSelector(**{"k": 2, **kwargs})
 
 
 @pytest.mark.parametrize(

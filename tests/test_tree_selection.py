@@ -243,8 +243,12 @@ def test_dsd_tree_acceptance_is_per_depth() -> None:
     assert selection.lengths.tolist() == [4, 3]
     accepted = path([0, 2], [0])
     selector.update(selection, accepted.sum(dim=1), accepted_nodes=accepted)
-    observed = (2 + 1) / (2 + 2)  # accepted path lengths over selected depths
+    selector.observe(selection.lengths.tolist(), accepted.sum(dim=1).tolist(), deepest=[2, 2])
+    observed = (2 + 1) / (2 + 2)  # accepted path lengths over deepest verified depths
     assert selector.acceptance_estimate() == pytest.approx(0.85 * 0.5 + 0.15 * observed)
+    # Node counts are no depths: after a tree selection, observe must be told the depths.
+    with pytest.raises(ValueError, match="needs deepest= after a tree selection"):
+        selector.observe(selection.lengths.tolist(), accepted.sum(dim=1).tolist())
 
 
 @pytest.mark.parametrize(

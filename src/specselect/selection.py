@@ -329,26 +329,47 @@ class Selector(abc.ABC):
     ) -> None:
         """Adaptive selectors override this (arguments checked); the default keeps no state."""
 
-    def observe(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
+    def observe(
+        self,
+        verified: Sequence[int],
+        accepted: Sequence[int],
+        deepest: Sequence[int] | None = None,
+    ) -> None:
         """Host-side feedback after verification: per active row, in row order, the draft
-        tokens (tree nodes) the target verified and the draft tokens it accepted.
+        tokens (tree nodes) the target verified, the draft tokens it accepted and, after a tree
+        selection, the depth of the deepest node it verified (for a chain, the default, that
+        is ``verified``).
 
         The loop calls it once per step, after :meth:`update`, with numbers it has already read
         back to the host (``speculative_generate``'s one read-back per step, and replay), so it
         costs no sync. :meth:`update` gets the same outcomes as device tensors, which a selector
-        could only read with a sync of its own; a selector that plans on the host (the goodput
-        budget of :class:`~specselect.selectors.TetrisSelector` chooses its next
-        :meth:`draft_length` from them) overrides :meth:`_observe`. A loop that never calls it
-        is still correct: such a selector then plans from its prior.
+        could only read with a sync of its own. A selector that plans on the host learns from
+        these: DSD's acceptance estimate, and the goodput budget of
+        :class:`~specselect.selectors.TetrisSelector`, which chooses its next
+        :meth:`draft_length` from them; they override :meth:`_observe`. A loop that never calls
+        it is still correct, but such a selector then plans from its prior.
+
+        ``deepest`` is what a tree's outcome means per depth: a row that accepted ``x`` tokens
+        tested depths ``1..min(x + 1, deepest)`` (siblings compete for one depth).
 
         Raises:
             TypeError: an entry is not an int.
             ValueError: the sequences differ in length, or an entry is negative, or a row
-                accepted more than it verified.
+                accepted more than it verified, or its deepest depth is not between what it
+                accepted and what it verified (at least 1 where it verified anything), or
+                ``deepest`` is missing after a tree selection.
         """
-        self._observe(*check_outcomes(verified, accepted))
+        outcomes = check_outcomes(verified, accepted, deepest)
+        tree = self._last is not None and self._last.parents is not None
+        if deepest is None and tree and any(outcomes[0]):
+            raise ValueError(
+                f"{type(self).__name__}.observe needs deepest= after a tree selection: the "
+                "depth of each row's deepest verified node (verified counts nodes, siblings "
+                "included, so it is no depth)"
+            )
+        self._observe(*outcomes)
 
-    def _observe(self, verified: list[int], accepted: list[int]) -> None:  # noqa: B027
+    def _observe(self, verified: list[int], accepted: list[int], deepest: list[int]) -> None:  # noqa: B027
         """Host planners override this (arguments checked); the default ignores them."""
 
     def reset(self) -> None:
@@ -372,8 +393,10 @@ class Selector(abc.ABC):
         state they keep lives in tensors updated in place (never rebound, also by
         :meth:`reset`; allocated on the first call for a shape, before a loop captures that
         shape, which it does only after a warm-up call). Two selectors with equal keys must
-        record the same work on the same memory: a stateless selector's key is its parameters;
-        a stateful one must include its :attr:`capture_token`. The one rebinding allowed is a
+        record the same work on the same memory: a stateless selector's key is its parameters
+        and every host value its selection depends on (DSD's window of the step: a key may
+        change from step to step, and a loop reads it after :meth:`draft_length`); a stateful
+        one must include its :attr:`capture_token`. The one rebinding allowed is a
         move: inputs on another device than the last :meth:`select`'s take the state there as
         new tensors, and :meth:`select` then draws a new :attr:`capture_token`.
         """
@@ -477,31 +500,55 @@ def _check_accepted_nodes(
         )
 
 
-def check_outcomes(verified: object, accepted: object) -> tuple[list[int], list[int]]:
-    """``verified`` and ``accepted`` (:meth:`Selector.observe`) as lists of ints, checked."""
-    lists = []
-    for name, values in (("verified", verified), ("accepted", accepted)):
-        if isinstance(values, str | bytes) or not isinstance(values, Sequence):
-            raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
-        ints = list(values)
-        # Every step of a loop calls this: plain non-negative ints pass at C speed; anything
-        # else is checked one by one, so that the error names the entry.
-        if not (all(type(v) is int for v in ints) and min(ints, default=0) >= 0):
-            ints = [check_int(f"{name}[{i}]", value) for i, value in enumerate(ints)]
-        lists.append(ints)
-    tested, passed = lists
-    if len(tested) != len(passed):
+def check_outcomes(
+    verified: object, accepted: object, deepest: object = None
+) -> tuple[list[int], list[int], list[int]]:
+    """``verified``, ``accepted`` and ``deepest`` (:meth:`Selector.observe`) as lists of ints,
+    checked; ``deepest`` defaults to ``verified`` (chains)."""
+    named = {"verified": verified, "accepted": accepted}
+    if deepest is not None:
+        named["deepest"] = deepest
+    lists = {name: _int_list(name, values) for name, values in named.items()}
+    tested, passed = lists["verified"], lists["accepted"]
+    depths = lists.get("deepest", tested)
+    for name, values in lists.items():
+        if len(values) != len(tested):
+            raise ValueError(
+                f"verified, accepted and deepest must have one entry per active row each, got "
+                f"{len(tested)} verified and {len(values)} {name}"
+            )
+    _check_order("accepted", passed, "deepest" if deepest is not None else "verified", depths)
+    if deepest is not None:
+        _check_order("deepest", depths, "verified", tested)
+        shallow = [i for i, (v, d) in enumerate(zip(tested, depths, strict=True)) if v > d == 0]
+        if shallow:
+            i = shallow[0]
+            raise ValueError(
+                f"deepest[{i}] must be >= 1 where the row verified anything, got 0 with "
+                f"verified[{i}] = {tested[i]}"
+            )
+    return tested, passed, depths
+
+
+def _int_list(name: str, values: object) -> list[int]:
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    ints = list(values)
+    # Every step of a loop calls this: plain non-negative ints pass at C speed; anything
+    # else is checked one by one, so that the error names the entry.
+    if not (all(type(v) is int for v in ints) and min(ints, default=0) >= 0):
+        ints = [check_int(f"{name}[{i}]", value) for i, value in enumerate(ints)]
+    return ints
+
+
+def _check_order(low_name: str, low: list[int], high_name: str, high: list[int]) -> None:
+    """``low[i] <= high[i]`` for every row, or an error naming the first row that breaks it."""
+    if any(a > b for a, b in zip(low, high, strict=True)):
+        i = next(i for i, (a, b) in enumerate(zip(low, high, strict=True)) if a > b)
         raise ValueError(
-            f"verified and accepted must have one entry per active row each, got {len(tested)} "
-            f"and {len(passed)}"
+            f"{low_name} must be <= {high_name}, got {low_name}[{i}] = {low[i]} > "
+            f"{high_name}[{i}] = {high[i]}"
         )
-    if any(x > v for v, x in zip(tested, passed, strict=True)):
-        i = next(i for i, (v, x) in enumerate(zip(tested, passed, strict=True)) if x > v)
-        raise ValueError(
-            f"accepted must be <= verified, got accepted[{i}] = {passed[i]} > verified[{i}] = "
-            f"{tested[i]}"
-        )
-    return tested, passed
 
 
 def estimator_kwargs(estimator: str | None) -> dict[str, Any]:

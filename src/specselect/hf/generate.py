@@ -17,7 +17,8 @@ One *step* for every active row (:mod:`specselect.hf.steps` has the details):
    target's token (cut after an EOS); both caches keep the accepted tokens' entries, the rest
    become holes.
 5. ``selector.update(selection, num_accepted)``, then ONE read-back (finished flags and
-   counts) on which the host retires rows and plans the next step.
+   counts) on which the host retires rows, calls ``selector.observe`` with the counts and
+   plans the next step.
 
 Both models keep static KV caches (:mod:`specselect.hf.kv`) preallocated for the whole call:
 ``prompt + max_new_tokens + cache_slack`` columns per row, compacted in place between steps
@@ -27,13 +28,15 @@ slots). The draft and verify passes of a step are *stages* that read every posit
 tensors, so with ``cuda_graphs`` each stage is captured once per (bucket, widths) in a CUDA graph
 and replayed (:mod:`specselect.hf.graphs`). Eager and graph mode run the same code.
 
-Host syncs per step: exactly one, the read-back of a ``[6, slots]`` int64 report into pinned
-memory (``GenerationState.read_back``): which rows finished, the per-row statistics, and both
-caches' valid counts (for compaction). Everything else stays on the device, except on a CPU,
-where a read waits for nothing: there an eager tree step also reads its widest selection, so
-that its verify pass sends no more nodes than that (``CPU_TREE_READS_PER_STEP``). transformers adds
-no reads of its own, because every pass gets a 4D attention mask. Selectors may sync on their
-own (DSD reads its acceptance statistics every ``interval`` steps), and argument checks read
+Host syncs per step: exactly one, the read-back of a ``[7, slots]`` int64 report into pinned
+memory (``GenerationState.read_back``): which rows finished, the per-row statistics (also what
+``selector.observe`` gets), and both caches' valid counts (for compaction). Everything else
+stays on the device, except on a CPU, where a read waits for nothing: there an eager tree step
+also reads its widest selection, so that its verify pass sends no more nodes than that
+(``CPU_TREE_READS_PER_STEP``). transformers adds no reads of its own, because every pass gets a
+4D attention mask. Selectors that plan on the host (DSD, the goodput budget) learn from
+``observe``, without a read of their own; only HF's heuristic schedule reads its largest window
+back, once per step (:mod:`specselect.selectors.heuristic` says why). Argument checks read
 values only for CPU tensors outside the loop (:mod:`specselect._checks`; the loop switches them
 off for the tensors it makes itself). Setup adds a few one-off reads (prompt checks, a seed for
 a generator of another device, the prompts' lengths).

@@ -36,8 +36,10 @@ from specselect.hf.kv import ModelCache
 from specselect.hf.options import GenerationOptions
 from specselect.metrics import StepCounts, Totals
 
-#: Rows of a step's report: finished, verified, accepted, written, target count, draft count.
-REPORT_ROWS = 6
+#: Rows of a step's report, per slot: finished, verified, accepted, written, the target's and
+#: the draft's cache counts, and the deepest verified depth (a chain's verified count).
+FINISHED, VERIFIED, ACCEPTED, WRITTEN, TARGET_COUNT, DRAFT_COUNT, DEEPEST = range(7)
+REPORT_ROWS = DEEPEST + 1
 
 
 @dataclass
@@ -220,8 +222,8 @@ class GenerationState:
         self.active = torch.zeros(slots, dtype=torch.bool, device=device)
         self.generated = torch.zeros(slots, dtype=torch.int64, device=device)
         self.pending = torch.zeros(slots, dtype=torch.int64, device=device)
-        # Flat, so that the [6, size] view of any bucket is contiguous: a copy into a strided
-        # pinned view would go through a pageable temporary and lose its asynchrony.
+        # Flat, so that the [REPORT_ROWS, size] view of any bucket is contiguous: a copy into a
+        # strided pinned view would go through a pageable temporary and lose its asynchrony.
         self.report_host = (
             torch.zeros(REPORT_ROWS * slots, dtype=torch.int64).pin_memory()
             if device.type == "cuda"
@@ -325,6 +327,7 @@ class GenerationState:
         verified: Tensor,  # [b] int64
         num_accepted: Tensor,  # [b] int64
         written: Tensor,  # [b] int64
+        deepest: Tensor,  # [b] int64
     ) -> None:
         """Collect what the host must know after the step into the report buffer."""
         size = self.size
@@ -333,16 +336,16 @@ class GenerationState:
             if self.drafter is not None
             else torch.zeros_like(written)
         )
-        report = torch.stack(
-            [
-                finished.to(torch.int64),
-                verified,
-                num_accepted,
-                written,
-                self.target.count[:size],
-                draft_count,
-            ]
-        )
+        rows = {
+            FINISHED: finished.to(torch.int64),
+            VERIFIED: verified,
+            ACCEPTED: num_accepted,
+            WRITTEN: written,
+            TARGET_COUNT: self.target.count[:size],
+            DRAFT_COUNT: draft_count,
+            DEEPEST: deepest,
+        }
+        report = torch.stack([rows[row] for row in range(REPORT_ROWS)])  # [REPORT_ROWS, b]
         self.io("report", (REPORT_ROWS, size), torch.int64).copy_(report)
 
     # ------------------------------------------------------------------ between stages
@@ -379,8 +382,9 @@ class GenerationState:
     def record(self, report: list[list[int]], seconds: float) -> int:
         """Per-row statistics of the step and retirement; returns tokens written plus the unused
         budget of retired rows (the progress bar's advance)."""
-        finished, verified, accepted, written = report[:4]
-        self.counts = (report[4], report[5])
+        finished, verified, accepted = report[FINISHED], report[VERIFIED], report[ACCEPTED]
+        written = report[WRITTEN]
+        self.counts = (report[TARGET_COUNT], report[DRAFT_COUNT])
         verified_row, accepted_row = [0] * self.batch, [0] * self.batch
         advance = active = 0
         for slot, row in enumerate(self.slot_rows):

@@ -15,7 +15,8 @@ A step is the same five parts for both (the skeleton is :meth:`Step.run`):
    it; :meth:`Step.narrow` cuts it where a read is free), then greedy or lossless sampling
    verification, both caches' commits, emission and the report;
 5. **update**: ``selector.update`` (eager, or captured with selection), then the state's one
-   read-back, and ``selector.observe`` with the verified and accepted counts it brought back.
+   read-back, and ``selector.observe`` with the verified, accepted and deepest verified counts
+   it brought back.
 
 Stages (2 and 4) run through a :class:`~specselect.hf.graphs.StageRunner`: eagerly, or captured
 per (bucket, widths) and replayed. They exchange data only through the state's persistent
@@ -38,7 +39,7 @@ from torch import Tensor
 from specselect._checks import check_int
 from specselect.hf.draft import ChainDrafter, DraftChain, SamplingParams
 from specselect.hf.graphs import StageRunner
-from specselect.hf.state import GenerationState, PhaseClock
+from specselect.hf.state import ACCEPTED, DEEPEST, VERIFIED, GenerationState, PhaseClock
 from specselect.hf.tree_draft import DraftTree, TreeDrafter
 from specselect.scores import causal_logprobs, expected_self_logprob
 from specselect.selection import NEG_INF, Selection, Selector, available_lengths, prefix_mask
@@ -50,6 +51,8 @@ from specselect.verify_tree import TreeVerdict, tree_greedy_verify, tree_rejecti
 PHASES = ("prepare", "draft", "select", "verify", "finish")
 #: The stage that replays a capturable selector's work with the verify pass.
 SELECT_VERIFY = "select+verify"
+#: The report rows ``selector.observe`` gets, in its arguments' order.
+OBSERVED = (VERIFIED, ACCEPTED, DEEPEST)
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,7 @@ class Step(abc.ABC):
         if self.selector is not None:  # the same feedback on the host: no sync of its own
             served = sorted((row, slot) for slot, row in enumerate(state.slot_rows) if row >= 0)
             slots = [slot for _, slot in served]  # the active rows' slots, in row order
-            self.selector.observe([report[1][s] for s in slots], [report[2][s] for s in slots])
+            self.selector.observe(*([report[r][s] for s in slots] for r in OBSERVED))
         if drafter is not None:
             drafter.advanced(plan.width)
         advance = state.record(report, _now() - start)
@@ -213,13 +216,14 @@ class Step(abc.ABC):
         num_accepted: Tensor,  # [b]
         next_token: Tensor,  # [b]
         verified: Tensor,  # [b]
+        deepest: Tensor,  # [b] the deepest verified depth (a chain's verified count)
     ) -> None:
         """Emission, the next pending token and the report (the end of every verify stage)."""
         state = self.state
         written, finished = state.emit(tokens, num_accepted, next_token)
         state.pending[: state.size] = next_token
         self._io("num_accepted", (state.size,)).copy_(num_accepted)
-        state.write_report(finished, verified, num_accepted, written)
+        state.write_report(finished, verified, num_accepted, written, deepest)
 
     def _verify_chain(self, k: int) -> None:
         """The flat verify stage (chain steps, and tree steps without a tree).
@@ -247,7 +251,7 @@ class Step(abc.ABC):
         if isinstance(drafter, ChainDrafter):
             d = drafter.handle.device
             drafter.advance(k, tokens.to(d), num_accepted.to(d), next_token.to(d))
-        self._finish(tokens, num_accepted, next_token, lengths)
+        self._finish(tokens, num_accepted, next_token, lengths, lengths)
 
     def _draft_probs(self, size: int, k: int, like: Tensor) -> Tensor:  # [b, k, V]
         """The persistent buffer of the drafts' distributions (``like``: anything ``[..., V]``)."""
@@ -448,7 +452,10 @@ class TreeStep(Step):
         )
         self._io("on_path", (size, nodes), torch.bool).copy_(on_path)
         accepted = verdict.accepted_tokens(tree.tokens)[:, : plan.width]  # [b, depth]
-        self._finish(accepted, verdict.num_accepted, verdict.next_token, selected.sum(dim=1))
+        deepest = torch.where(selected, tree.depth, 0).amax(dim=1)  # [b]
+        self._finish(
+            accepted, verdict.num_accepted, verdict.next_token, selected.sum(dim=1), deepest
+        )
 
     def update(self) -> None:
         if self.selector is None or self.selection is None:

@@ -8,26 +8,26 @@ tokens emits ``1 + alpha + ... + alpha^k`` tokens in expectation (the accepted p
 target's own token), so a batch of ``B`` requests emits ``B * (1 - alpha^(k+1)) / (1 - alpha)``
 per step, at a cost of ``k`` draft passes and one target pass over ``B * (k + 1)`` tokens.
 
-Host syncs. ``select`` and ``update`` never read device values: the acceptance estimate is an
-exponential moving average kept as a 0-dim tensor on the feedback's device and updated there
-every step (the recurrence is linear, so nothing has to be read to advance it). The window is
-a Python int, so choosing it needs ``alpha`` on the host: :meth:`DSDSelector.draft_length`
-reads the device estimate back once every ``interval`` steps (one scalar sync, the only one) and
-in between re-optimises from that cached value for the current number of active requests, which
-is pure host arithmetic.
+Host syncs: none. The window is a Python int, chosen on the host, so DSD plans on the host:
+its acceptance estimate is an exponential moving average of host numbers, the verified and
+accepted counts a loop already reads back every step and passes to
+:meth:`~specselect.selection.Selector.observe`. ``select`` is device code that depends on
+nothing but the window, so a loop may capture it per window.
 
 Draft trees. The window is a depth: every active request verifies all its nodes at most that
-deep, and the estimate learns from ``accepted / deepest selected depth``, which for a chain is
-``accepted / verified``. The goodput model still prices a chain of that depth.
+deep, and the estimate learns from ``accepted / deepest verified depth`` (``observe``'s
+``deepest``), which for a chain is ``accepted / verified``. The goodput model still prices a
+chain of that depth.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import warnings
+from collections.abc import Hashable
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from specselect._checks import check_int, check_probability
@@ -82,20 +82,17 @@ def best_window(
     return best_k
 
 
-def ema_step(
-    alpha: Tensor,  # [] floating: current estimate
-    verified: Tensor,  # [] int: draft tokens verified this step
-    accepted: Tensor,  # [] int: draft tokens accepted this step
-) -> Tensor:
-    """One EMA update ``alpha <- 0.85 * alpha + 0.15 * accepted / verified``, on device.
+def ema_step(alpha: float, verified: int, accepted: int) -> float:
+    """One EMA update ``alpha <- 0.85 * alpha + 0.15 * accepted / verified``, with the step's
+    draft tokens verified and accepted summed over the active requests (for draft trees,
+    ``verified`` sums each request's deepest verified depth).
 
     A step that verified nothing observed nothing (the batch window was 0, or no row was
-    active), so the estimate is kept rather than pulled towards an undefined ratio. ``where``
-    instead of an ``if`` keeps this free of host syncs.
+    active), so the estimate is kept rather than pulled towards an undefined ratio.
     """
-    observed = accepted.to(alpha.dtype) / verified.clamp(min=1).to(alpha.dtype)
-    blended = EMA_DECAY * alpha + (1.0 - EMA_DECAY) * observed
-    return torch.where(verified > 0, blended, alpha)
+    if verified <= 0:
+        return alpha
+    return EMA_DECAY * alpha + (1.0 - EMA_DECAY) * (accepted / verified)
 
 
 class DSDSelector(Selector):
@@ -103,13 +100,16 @@ class DSDSelector(Selector):
 
     Every step the selector verifies ``min(window, available)`` tokens of every active request,
     where ``window`` maximises :func:`dsd_goodput` for the current number of active requests and
-    the acceptance estimate ``alpha``. ``alpha`` is an exponential moving average of the
-    per-step acceptance ``accepted / verified`` (``alpha <- 0.85 * alpha + 0.15 * observed``),
-    starting at ``alpha0``.
+    the acceptance estimate ``alpha``. ``alpha`` is an exponential moving average of each
+    step's acceptance ``accepted / verified``, both summed over the active requests
+    (:func:`ema_step`), starting at ``alpha0``.
 
-    The estimate is read back to the host at the first call of :meth:`draft_length` and then
-    every ``interval`` calls (one scalar device-to-host copy each time; see the module
-    docstring). Between reads the window only changes when the number of active requests does.
+    The estimate learns from :meth:`~specselect.selection.Selector.observe` (host numbers; see
+    the module docstring), so a loop must call it after every step, as ``speculative_generate``
+    and replay do; :meth:`update` teaches DSD nothing. The window is re-chosen from the
+    estimate at the first call of :meth:`draft_length` and then every ``interval`` calls, which
+    keeps it steady for a while; in between it only changes when the number of active
+    requests does.
 
     If the chosen window is 0 nothing is verified, so no feedback would arrive and the choice
     would be final; instead every other interval that 0 looks best probes with a window of 1,
@@ -120,7 +120,7 @@ class DSDSelector(Selector):
         cost_model: timing model; default :func:`~specselect.cost.default_cost_model` (the
             shipped pair measured on a CPU). Measure your own models with ``specselect
             profile`` or :meth:`CostModel.measure`.
-        interval: steps between two reads of the acceptance estimate.
+        interval: steps between two re-choices of the window from the acceptance estimate.
         alpha0: initial acceptance estimate, in ``[0, 1]``.
         context: mean context length passed to the cost model.
     """
@@ -158,25 +158,24 @@ class DSDSelector(Selector):
     def reset(self) -> None:
         """Back to ``alpha0``; the next :meth:`draft_length` re-chooses the window."""
         super().reset()
-        self._alpha: Tensor | None = None  # device EMA, created by the first update
-        self._alpha_host = self.alpha0  # the value the window is currently chosen from
+        self._alpha = self.alpha0  # the EMA of the observed acceptance
+        self._alpha_chosen = self.alpha0  # the value the window is currently chosen from
         self._calls = 0  # draft_length calls since reset
+        self._unobserved = 0  # draft_length calls since the last observe
         self._window: int | None = None  # the last window returned by draft_length
         self._probe = False  # this interval probes with window 1 instead of 0
 
     def draft_length(self, num_active: int) -> int:
-        """The goodput-optimal window for ``num_active`` requests.
-
-        Reads the device acceptance estimate back at the first call and every ``interval``-th
-        call after it: the one host sync of this selector.
-        """
+        """The goodput-optimal window for ``num_active`` requests, from the acceptance estimate
+        as it was at the first call and at every ``interval``-th call after it."""
         check_int("num_active", num_active)
+        self._warn_if_unobserved()
         rechoose = self._calls % self.interval == 0
-        if rechoose and self._alpha is not None:
-            self._alpha_host = float(self._alpha)  # the documented periodic sync
+        if rechoose:
+            self._alpha_chosen = self._alpha
         self._calls += 1
         window = best_window(
-            self._alpha_host, num_active, self.max_k, self.cost_model, self.context
+            self._alpha_chosen, num_active, self.max_k, self.cost_model, self.context
         )
         if window == 0 and self._probing(rechoose):
             window = 1
@@ -195,15 +194,22 @@ class DSDSelector(Selector):
         return self._probe
 
     def acceptance_estimate(self) -> float:
-        """The current EMA of the acceptance rate (reads the device value: a sync; diagnostics)."""
-        return self.alpha0 if self._alpha is None else float(self._alpha)
+        """The current EMA of the observed acceptance rate."""
+        return self._alpha
+
+    @property
+    def capture_key(self) -> Hashable | None:
+        """Stateless on the device: the window of the last :meth:`draft_length` is all a
+        captured selection depends on (``None`` before any, when the window would depend on
+        the batch)."""
+        return None if self._window is None else (self.name, self._window)
 
     def _batch_window(self, rows: int) -> int:
         """The window of the last :meth:`draft_length`; before any, the choice for ``rows``
         active requests."""
         if self._window is not None:
             return self._window
-        return best_window(self._alpha_host, rows, self.max_k, self.cost_model, self.context)
+        return best_window(self._alpha_chosen, rows, self.max_k, self.cost_model, self.context)
 
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
         rows, width = draft_logprobs.shape
@@ -217,16 +223,22 @@ class DSDSelector(Selector):
         available = available_nodes(draft_logprobs, parents)  # [B, N]
         return Selection.from_mask(available & (depth <= window), active)
 
-    def _update(
-        self, selection: Selection, num_accepted: Tensor, accepted_nodes: Tensor | None
-    ) -> None:
-        device = num_accepted.device
-        alpha = self._alpha
-        if alpha is None:
-            # ``full`` fills on the device; ``torch.tensor`` would copy from the host (a sync).
-            alpha = torch.full((), self.alpha0, dtype=torch.float64, device=device)
-        verified = self._selected_depths(selection).sum()  # tokens, for chains
-        self._alpha = ema_step(alpha.to(device), verified, num_accepted.sum())
+    def _observe(self, verified: list[int], accepted: list[int], deepest: list[int]) -> None:
+        self._alpha = ema_step(self._alpha, sum(deepest), sum(accepted))
+        self._unobserved = 0
+
+    def _warn_if_unobserved(self) -> None:
+        """Once per generation: a loop written for ``update`` alone (DSD once learned there)
+        would otherwise keep the window of ``alpha0`` forever, silently."""
+        self._unobserved += 1
+        if self._unobserved == self.interval + 2:
+            warnings.warn(
+                f"DSDSelector learns from observe(): {self.interval + 1} steps passed without "
+                "it, so its acceptance estimate (and window) cannot adapt; call "
+                "selector.observe(verified, accepted) after update() every step",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     @classmethod
     def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any] | None:

@@ -280,18 +280,22 @@ class GoodputPlanner:
         self._probing = False  # whether the last depth() was a probe
 
     # ------------------------------------------------------------------ host: the draft depth
-    def observe(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
+    def observe(
+        self, verified: Sequence[int], accepted: Sequence[int], deepest: Sequence[int]
+    ) -> None:
         """One step's outcomes, per active row (checked host ints; see ``Selector.observe``).
 
-        A row that verified ``v`` tokens and accepted ``x`` tested depths ``1..min(x + 1, v)``
-        and passed ``1..x``. For a draft tree, ``v`` counts nodes; a tree that accepted fewer
-        nodes than it verified is read as failing at depth ``x + 1``.
+        A row that accepted ``x`` draft tokens and verified down to depth ``d`` (``deepest``;
+        a chain's verified count) tested depths ``1..min(x + 1, d)`` and
+        passed ``1..x``. For a draft tree that is the tree's survival: depth ``x + 1`` failed
+        whether the accepted path had a selected child or ended in a leaf of the selection.
         """
         v = np.asarray(verified, dtype=np.int64).reshape(-1)
         x = np.asarray(accepted, dtype=np.int64).reshape(-1)
+        d = np.asarray(deepest, dtype=np.int64).reshape(-1)
         self._tested *= self.decay
         self._passed *= self.decay
-        self._tested += _reaching(np.minimum(x + 1, v), self.max_depth)
+        self._tested += _reaching(np.minimum(x + 1, d), self.max_depth)
         self._passed += _reaching(x, self.max_depth)
         self._idle = 0 if v.any() else self._idle + 1
 

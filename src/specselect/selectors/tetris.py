@@ -99,12 +99,22 @@ class TetrisSelector(Selector):
         self.extra = check_int("extra", extra)
         self.budget = _check_budget(budget)
         self.estimator = make_estimator(estimator)
+        if not isinstance(guard, bool | RankingGuard):
+            raise TypeError(
+                f"guard must be True, False or a RankingGuard, got {type(guard).__name__}"
+            )
         self.guard = RankingGuard() if guard is True else (guard or None)
         self.cost_model = None if cost_model is None else check_cost_model(cost_model)
         self._fallback = FixedWindowSelector(self.k)
+        if self.budget == GOODPUT and self.k + self.extra == 0:
+            raise ValueError(
+                "budget='goodput' chooses a draft depth in [0, k + extra]: k + extra must be "
+                f">= 1, got k={self.k}, extra={self.extra} (for plain decoding use k=0 "
+                "without it)"
+            )
         # The goodput budget's planner (None for the other budgets).
         self._planner = (
-            GoodputPlanner(max(self.k + self.extra, 1), self.cost_model or default_costs())
+            GoodputPlanner(self.k + self.extra, self.cost_model or default_costs())
             if self.budget == GOODPUT
             else None
         )
@@ -223,9 +233,9 @@ class TetrisSelector(Selector):
             outcomes = self.outcomes(selection, num_accepted, accepted_nodes)
             self.guard.observe(self.last_scores, *outcomes)
 
-    def _observe(self, verified: list[int], accepted: list[int]) -> None:
+    def _observe(self, verified: list[int], accepted: list[int], deepest: list[int]) -> None:
         if self._planner is not None:
-            self._planner.observe(verified, accepted)
+            self._planner.observe(verified, accepted, deepest)
 
     @classmethod
     def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any]:
