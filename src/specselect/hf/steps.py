@@ -32,6 +32,7 @@ import abc
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -201,14 +202,30 @@ class Step(abc.ABC):
     def verify(self, plan: Plan) -> None:
         """The verify stage: target pass, verification, commits, emission, report."""
 
-    @abc.abstractmethod
     def update(self) -> None:
         """Feed the selector the outcome of its selection, if it selected (eagerly, or in the
         verify stage with a capturable selector)."""
+        if self.selector is None or self.selection is None:
+            return
+        state = self.state
+        num_accepted = state.to_full(self._io("num_accepted", (state.size,)), 0)
+        self.selector.update(self.selection, num_accepted, accepted_nodes=self._accepted_nodes())
+
+    def _accepted_nodes(self) -> Tensor | None:
+        """``[B, N]`` bool: each row's accepted draft-tree path, after a tree selection (the
+        selector's ``update`` needs it); ``None`` for chains."""
+        return None
 
     # ------------------------------------------------------------------ shared stage parts
     def _io(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.int64) -> Tensor:
         return self.state.io(name, shape, dtype)
+
+    def _unemittable(self, depth: Tensor, below_eos: Tensor) -> Tensor:  # -> [b, N] bool
+        """Draft positions (``depth``, 1 for the first draft token) no row could emit: at a
+        depth >= the row's remaining tokens (the last token a row may emit is the target's),
+        or below a drafted EOS (``below_eos``, ``[b, N]``). The selector sees them at ``-inf``,
+        so no selection wastes the target's pass on them."""
+        return (depth >= self.state.remaining().unsqueeze(-1)) | below_eos
 
     def _finish(
         self,
@@ -311,22 +328,12 @@ class ChainStep(Step):
     def verify(self, plan: Plan) -> None:
         self._verify_chain(plan.width)
 
-    def update(self) -> None:
-        if self.selector is None or self.selection is None:
-            return
-        state = self.state
-        num_accepted = state.to_full(self._io("num_accepted", (state.size,)), 0)
-        self.selector.update(self.selection, num_accepted)
-
     def _mask_unemittable(self, tokens: Tensor, scores: Tensor) -> Tensor:  # [b, k] -> [b, k]
-        """``-inf`` for positions no row could emit: ``j >= remaining - 1`` (the last token a
-        row may emit is the target's), and every position after a drafted EOS."""
-        k = scores.shape[1]
-        columns = torch.arange(k, device=scores.device)
-        cut = columns.unsqueeze(0) >= (self.state.remaining() - 1).unsqueeze(1)
-        is_eos = self.state.is_eos(tokens).to(torch.int64)
-        cut = cut | ((is_eos.cumsum(dim=1) - is_eos) > 0)  # strictly after the first EOS
-        return scores.masked_fill(cut, NEG_INF)
+        """The unemittable positions of a chain (see :meth:`Step._unemittable`) at ``-inf``."""
+        depth = torch.arange(1, scores.shape[1] + 1, device=scores.device)  # [k]
+        is_eos = self.state.is_eos(tokens).to(torch.int64)  # [b, k]
+        below_eos = (is_eos.cumsum(dim=1) - is_eos) > 0  # strictly after the first EOS
+        return scores.masked_fill(self._unemittable(depth, below_eos), NEG_INF)
 
 
 class TreeStep(Step):
@@ -337,8 +344,10 @@ class TreeStep(Step):
     and positions ``root position + depth``; both caches keep only the accepted path.
     """
 
-    def __init__(self, *args: object, tree: TreeSpec, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *args: Any, tree: TreeSpec, **kwargs: Any) -> None:
+        """:class:`Step`'s arguments, and the shape drafted every step (cut to the plan's
+        depth)."""
+        super().__init__(*args, **kwargs)
         self.tree = tree
 
     def plan(self) -> Plan:
@@ -366,10 +375,7 @@ class TreeStep(Step):
         tree = drafter.draft_tree(active, self._spec(plan)).to(state.device)
         buffers = build_tree_buffers(tree.parents)
         stored, stored_buffers = self._trees(plan)
-        for name in ("tokens", "logprobs", "parents", "depth", "fed", "fed_ids"):
-            getattr(stored, name).copy_(getattr(tree, name))
-        if tree.probs is not None and stored.probs is not None:
-            stored.probs.copy_(tree.probs)
+        stored.copy_(tree)
         stored_buffers.ancestors.copy_(buffers.ancestors)
         stored_buffers.paths.copy_(buffers.paths)
         scores = self._mask_unemittable_nodes(
@@ -457,16 +463,11 @@ class TreeStep(Step):
             accepted, verdict.num_accepted, verdict.next_token, selected.sum(dim=1), deepest
         )
 
-    def update(self) -> None:
-        if self.selector is None or self.selection is None:
-            return
+    def _accepted_nodes(self) -> Tensor:  # [B, N] bool
         state = self.state
-        size, nodes = state.size, self.selection.mask.shape[1]
-        self.selector.update(
-            self.selection,
-            state.to_full(self._io("num_accepted", (size,)), 0),
-            accepted_nodes=state.to_full(self._io("on_path", (size, nodes), torch.bool), False),
-        )
+        assert self.selection is not None
+        nodes = self.selection.mask.shape[1]
+        return state.to_full(self._io("on_path", (state.size, nodes), torch.bool), False)
 
     # ------------------------------------------------------------------ helpers
     def _drafter(self) -> TreeDrafter:
@@ -547,13 +548,12 @@ class TreeStep(Step):
     def _mask_unemittable_nodes(
         self, tree: DraftTree, buffers: TreeBuffers, scores: Tensor
     ) -> Tensor:  # [b, N] -> [b, N]
-        """``-inf`` for nodes that could not be emitted: depth >= remaining, or below an EOS."""
-        cut = tree.depth >= self.state.remaining().unsqueeze(1)
+        """The unemittable nodes of a tree (see :meth:`Step._unemittable`) at ``-inf``."""
         nodes = tree.tokens.shape[1]
         eye = torch.eye(nodes, dtype=torch.bool, device=scores.device)
         is_eos = self.state.is_eos(tree.tokens)  # [b, N]
-        cut = cut | (buffers.ancestors & ~eye & is_eos.unsqueeze(1)).any(dim=2)
-        return scores.masked_fill(cut, NEG_INF)
+        below_eos = (buffers.ancestors & ~eye & is_eos.unsqueeze(1)).any(dim=2)  # [b, N]
+        return scores.masked_fill(self._unemittable(tree.depth, below_eos), NEG_INF)
 
 
 def _sent_nodes(selected: Tensor, width: int) -> Tensor | None:  # [b, N] -> [b, width + 1]

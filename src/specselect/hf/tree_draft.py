@@ -25,7 +25,7 @@ backlog. What the commit needs (which nodes were fed, in which cache column) tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -59,6 +59,14 @@ class DraftTree:
             move(self.fed, device),
             move(self.fed_ids, device),
         )
+
+    def copy_(self, other: DraftTree) -> None:
+        """Fill these trees' tensors in place with ``other``'s (persistent buffers, which a
+        captured stage reads); ``probs`` where both hold them (only sampling drafts them)."""
+        for part in fields(self):
+            mine, theirs = getattr(self, part.name), getattr(other, part.name)
+            if mine is not None and theirs is not None:
+                mine.copy_(theirs)
 
 
 def pick_children(

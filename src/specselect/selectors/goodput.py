@@ -202,6 +202,7 @@ def goodput_mask(
     probs = ordered.to(torch.float64).neg().exp()  # [n], 0 where never selectable
     expected = torch.cat([probs.new_zeros(1), probs.cumsum(0)])  # [n + 1] E(C)
     # Both tables read at flat device indices (a 0-dim index would be read on the host).
+    # verify[a, C + a] (the pass holds each row's own token too) sits at a * (T + 1) + C.
     drafting = draft.view(-1).index_select(0, (count * (width + 1) + passes).view(1))  # [1]
     verifying = verify.view(-1).index_select(0, count * (verify.shape[1] + 1) + steps)  # [n+1]
     seconds = drafting + verifying  # [n + 1] the step's time for every C
