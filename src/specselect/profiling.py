@@ -28,6 +28,7 @@ model.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import platform
 import statistics
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from specselect.hf.compat import ModelHandle
     from specselect.hf.graphs import Mode, StageRunner
     from specselect.hf.kv import ModelCache
+    from specselect.hf.memory import CacheNeed
 
 __all__ = ["check_grid", "format_cost_model", "measure_samples", "plot_cost_model"]
 
@@ -69,6 +71,7 @@ def measure_samples(
     documents the arguments), and what they were measured on."""
     from specselect.hf.compat import ModelHandle, check_context_fits
     from specselect.hf.generate import graph_mode
+    from specselect.hf.memory import check_memory
     from specselect.replay.traces import describe_model, package_versions
 
     batches, width_grid, context_grid = check_grid(batch_sizes, widths, contexts)
@@ -86,6 +89,12 @@ def measure_samples(
     longest = max(context_grid) + max(width_grid)
     for name, model in models.items():
         check_context_fits(name, model, longest)
+    check_memory(
+        _memory_needs(handles, batches, width_grid, max(context_grid)),
+        f"profiling at context {max(context_grid)} with batch sizes {batches} (the caches of "
+        "every batch size are allocated together)",
+        "the largest context or batch size",
+    )
     mode = graph_mode(cuda_graphs, handles["target"], handles.get("draft"), ())
     vocab = min(h.vocab for h in handles.values())
     load_before = _load_average()
@@ -98,9 +107,11 @@ def measure_samples(
         torch.no_grad(),
         tqdm(total=total, desc="profiling", unit="pass", disable=not progress) as bar,
     ):
-        for context in context_grid:  # one context's caches at a time
+        for context in context_grid:  # one context's caches at a time: freed before the next
             passes = _passes(handles, batches, width_grid, context, vocab, mode)
             samples += _time_round_robin(passes, repeats, warmup, bar.update, statistic)
+            del passes
+            gc.collect()  # a cache's layers refer back to it: only the collector frees them
     source = CostSource(
         hardware=_hardware(handles["target"].device),
         dtype=str(handles["target"].dtype).replace("torch.", ""),
@@ -186,7 +197,7 @@ def _cache_for(
     from specselect.hf.graphs import StageRunner
     from specselect.hf.kv import ModelCache
 
-    cache = ModelCache(handle, slots=batch, capacity=context + max(widths))
+    cache = ModelCache(handle, slots=batch, capacity=_capacity(context, widths))
     cache.valid[:, :context] = True
     cache.count.fill_(context)
     cache.mark.fill_(context)
@@ -204,17 +215,45 @@ def _passes(
     vocab: int,
     mode: Mode,
 ) -> list[_Pass]:
-    """Every pass shape at one context: per batch size, the draft's pass (if there is a draft)
-    and the target's pass at each width, over one cache per model and batch size."""
-    kinds = [("draft", "draft", [1]), ("verify", "target", list(widths))]
+    """Every pass shape at one context, over one cache per model and batch size."""
     passes = []
-    for batch in batches:
-        for kind, name, pass_widths in kinds:
-            if name not in handles:
-                continue
-            cache, runner = _cache_for(handles[name], batch, context, pass_widths, mode)
-            passes += [_Pass(kind, cache, runner, w, context, vocab) for w in pass_widths]
+    for kind, handle, batch, pass_widths in _caches(handles, batches, widths):
+        cache, runner = _cache_for(handle, batch, context, pass_widths, mode)
+        passes += [_Pass(kind, cache, runner, w, context, vocab) for w in pass_widths]
     return passes
+
+
+def _caches(
+    handles: dict[str, ModelHandle], batches: Sequence[int], widths: Sequence[int]
+) -> list[tuple[str, ModelHandle, int, list[int]]]:
+    """The caches of one context: per batch size, the draft's (if there is a draft), whose
+    passes take one token per row, and the target's, with a pass at each width."""
+    kinds = [("draft", "draft", [1]), ("verify", "target", list(widths))]
+    return [
+        (kind, handles[name], batch, pass_widths)
+        for batch in batches
+        for kind, name, pass_widths in kinds
+        if name in handles
+    ]
+
+
+def _capacity(context: int, widths: Sequence[int]) -> int:
+    """Columns per row of a cache at ``context``: room for its widest pass after it."""
+    return context + max(widths)
+
+
+def _memory_needs(
+    handles: dict[str, ModelHandle], batches: Sequence[int], widths: Sequence[int], context: int
+) -> list[CacheNeed]:
+    """What the caches of ``context`` need (:mod:`specselect.hf.memory`): every pass attends
+    over its cache's whole capacity."""
+    from specselect.hf.memory import CacheNeed
+
+    needs = []
+    for _, handle, batch, pass_widths in _caches(handles, batches, widths):
+        capacity = _capacity(context, pass_widths)
+        needs.append(CacheNeed(handle, batch, capacity, max(pass_widths), capacity))
+    return needs
 
 
 def _time_round_robin(

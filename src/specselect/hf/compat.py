@@ -25,7 +25,7 @@ import inspect
 import weakref
 from collections.abc import Sized
 from dataclasses import dataclass, fields, replace
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -35,12 +35,6 @@ MASKABLE_ATTENTION = ("sdpa", "eager")
 _REQUIRED_FORWARD_ARGS = ("past_key_values", "attention_mask", "position_ids")
 _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
-
-
-class _VocabConfig(Protocol):
-    """The part of a HuggingFace model config that :func:`logits_width` reads directly."""
-
-    vocab_size: int
 
 
 def check_causal_lm(name: str, model: object) -> nn.Module:
@@ -166,12 +160,7 @@ def logits_width(model: nn.Module) -> int:
     weight = getattr(head, "weight", None)
     if isinstance(weight, torch.Tensor):
         return int(weight.shape[0])
-    # torch's stubs type every Module attribute not declared on nn.Module as Tensor | Module;
-    # a HuggingFace model stores its config as a plain attribute.
-    config: _VocabConfig = model.config  # type: ignore[assignment]
-    get_text_config = getattr(config, "get_text_config", None)
-    text_config = get_text_config() if get_text_config is not None else None
-    return int((text_config or config).vocab_size)
+    return int(text_config(model).vocab_size)
 
 
 def supports_logits_to_keep(model: nn.Module) -> bool:
@@ -278,10 +267,17 @@ class ModelHandle:
 
 def num_layers(model: nn.Module) -> int:
     """Decoder layers of ``model`` (``num_hidden_layers`` of its text config)."""
+    return int(text_config(model).num_hidden_layers)
+
+
+def text_config(model: nn.Module) -> Any:
+    """The config of ``model``'s language model: the text part of a multimodal config, else
+    the config itself (where sizes such as layers, heads and vocabulary are)."""
+    # torch's stubs type every Module attribute not declared on nn.Module as Tensor | Module;
+    # a HuggingFace model stores its config as a plain attribute.
     config: Any = model.config
     get_text_config = getattr(config, "get_text_config", None)
-    text_config = get_text_config() if get_text_config is not None else config
-    return int(text_config.num_hidden_layers)
+    return (get_text_config() if get_text_config is not None else None) or config
 
 
 def graph_obstacle(model: nn.Module, name: str) -> str | None:

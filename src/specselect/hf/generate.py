@@ -65,6 +65,7 @@ from specselect._checks import check_int, check_tensor, trusted_values
 from specselect.hf.compat import ModelHandle, check_context_fits, check_pair, graph_obstacle
 from specselect.hf.draft import ChainDrafter
 from specselect.hf.graphs import Mode, StageRunner, bucket_for, emulating_on_cpu
+from specselect.hf.memory import CacheNeed, check_memory
 from specselect.hf.options import UNSET, GenerationOptions, resolve_options
 from specselect.hf.state import GenerationState, GenerationStats, Layout, PhaseClock
 from specselect.hf.steps import PHASES, ChainStep, Step, TreeStep
@@ -492,6 +493,7 @@ class _Loop:
             kept.lock.release()
             # Replaced: free the old buffers before allocating.
             _WORKSPACES.pop(self.target.model, None)
+        self._check_memory(layout, prompt)
         # The state holds the models weakly: a kept workspace must not keep them alive.
         state = GenerationState(self.target.weak(), self._drafter(layout), layout, graphs)
         runner = StageRunner(self.mode, list(self.generators.values()), fall_back=self.fall_back)
@@ -515,6 +517,33 @@ class _Loop:
             batch=batch,
             max_new_tokens=self.options.max_new_tokens,
             eos=len(self.options.eos_token_ids),
+        )
+
+    def _check_memory(self, layout: Layout, prompt: int) -> None:
+        """Refuse caches that cannot fit before allocating them (:mod:`specselect.hf.memory`).
+
+        The prefill's mask is the widest: ``prompt - 1`` tokens over the whole capacity in
+        graph mode, over at least as many columns eagerly.
+        """
+        span = layout.capacity if self.mode != "eager" else prompt - 1
+        needs = [
+            CacheNeed(handle, layout.slots, layout.capacity, prompt - 1, span)
+            for handle in (self.target, self.draft)
+            if handle is not None
+        ]
+        new = self.options.max_new_tokens
+        tree = layout.capacity - prompt - new - self.slack
+        rows = f"{layout.batch} rows" + (
+            f" ({layout.slots} cache slots)" if layout.slots != layout.batch else ""
+        )
+        asked = (
+            f"speculative_generate with {rows} of {layout.capacity} cache columns (prompt "
+            f"{prompt} + max_new_tokens {new} + cache_slack {self.slack}"
+            + (f" + {tree} for a step's tree" if tree else "")
+            + ")"
+        )
+        check_memory(
+            needs, asked, "the batch size, the prompt length, max_new_tokens or cache_slack"
         )
 
     def _drafter(self, layout: Layout) -> ChainDrafter | None:

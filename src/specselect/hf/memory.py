@@ -1,0 +1,164 @@
+"""What a call's static KV caches take, and a check, before any work, that the memory is there.
+
+The loop and the profiler preallocate every model's KV cache for the whole call
+(:class:`~specselect.hf.kv.ModelCache`: ``[slots, kv heads, capacity, head dim]`` keys and
+values per layer, allocated by the first forward pass). Nothing else bounds their size: rotary
+models have no position table, so a huge ``max_new_tokens``, prompt, batch or profiling
+context would otherwise end in an allocator error in the middle of a prefill, or in the
+operating system's OOM killer. :func:`check_memory` refuses such a call up front, with what was
+asked and what to lower.
+
+The estimate is a *lower bound*: it counts the caches and the largest 4D attention mask a pass
+hands the model, not activations, logits or an attention kernel's workspace (the weights are
+already resident, outside the free memory). So the check refuses only what cannot fit whatever
+the rest needs; a call it lets through may still run out of memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specselect.hf.compat import ModelHandle, text_config
+
+_GIB = 1 << 30
+#: Per-row bookkeeping of a cache besides its keys and values: ``valid`` (a bool per column)
+#: and ``count`` (an int64 per row), plus the int64 scalars ``pos`` and ``mark``.
+_FLAG_BYTES, _INT_BYTES, _SCALARS = 1, 8, 2
+
+
+def kv_column_bytes(handle: ModelHandle) -> int | None:
+    """Bytes of one cache column of one row over all layers (keys and values), from the config.
+
+    Heads are the key/value heads (``num_key_value_heads``, fewer than the query heads under
+    grouped-query attention, else ``num_attention_heads``, which GPT-2-style configs map from
+    ``n_head``); the head size is ``head_dim`` where the config sets it, else ``hidden_size //
+    num_attention_heads``. ``None`` where the config says neither, or the weights are not
+    floating point (quantized: the activations' dtype is unknown).
+    """
+    config = text_config(handle.model)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None)
+    hidden = getattr(config, "hidden_size", None)
+    if head_dim is None and heads and hidden:
+        head_dim = hidden // heads
+    if not (kv_heads and head_dim) or not handle.dtype.is_floating_point:
+        return None
+    return handle.num_layers * 2 * int(kv_heads) * int(head_dim) * handle.dtype.itemsize
+
+
+def cache_bytes(handle: ModelHandle, slots: int, capacity: int) -> int:
+    """Bytes ``ModelCache(handle, slots, capacity)`` holds once a pass has written it.
+
+    Leaves the keys and values out where :func:`kv_column_bytes` cannot tell their size (the
+    estimate stays a lower bound).
+    """
+    per_column = (kv_column_bytes(handle) or 0) + _FLAG_BYTES
+    return slots * capacity * per_column + (slots + _SCALARS) * _INT_BYTES
+
+
+def mask_bytes(handle: ModelHandle, rows: int, width: int, span: int) -> int:
+    """Bytes of the ``[rows, 1, width, span]`` attention mask a pass of ``width`` tokens over
+    ``span`` cache columns hands the model: bool for ``sdpa``, additive in the model's dtype for
+    ``eager``. It scales with the capacity (graph mode attends over all of it) and, for a
+    prefill, with the prompt too."""
+    element = handle.dtype.itemsize if handle.mask_kind == "eager" else 1
+    return rows * width * span * element
+
+
+@dataclass(frozen=True)
+class CacheNeed:
+    """One cache a call allocates, and the widest pass it runs (whose mask is the largest)."""
+
+    handle: ModelHandle
+    slots: int  # rows allocated
+    capacity: int  # columns per row
+    width: int  # tokens per row of the widest pass (the prefill's prompt, for the loop)
+    span: int  # cache columns that pass attends over
+
+
+def check_memory(needs: Sequence[CacheNeed], asked: str, lower: str) -> None:
+    """Raise ``ValueError`` if the caches of ``needs`` cannot fit in their devices' free memory.
+
+    Per device: every cache (they live together) plus the largest pass mask (one at a time),
+    against :func:`available_bytes` (after a garbage collection, if it seems short). Only a
+    clear excess is refused: the estimate is a lower bound (see the module doc). Models spread
+    over several devices, and devices whose free memory is unknown, are not checked.
+
+    Args:
+        needs: the caches the call will allocate.
+        asked: what the caller asked for, for the message (sizes and where they came from).
+        lower: what the caller can lower, for the message.
+    """
+    by_device: dict[torch.device, list[CacheNeed]] = {}
+    for need in needs:
+        devices = {p.device for p in need.handle.model.parameters()}
+        if len(devices) == 1:
+            by_device.setdefault(devices.pop(), []).append(need)
+    for device, group in by_device.items():
+        caches = sum(cache_bytes(n.handle, n.slots, n.capacity) for n in group)
+        mask = max(mask_bytes(n.handle, n.slots, n.width, n.span) for n in group)
+        available = available_bytes(device)
+        if available is not None and caches + mask > available:
+            # Caches dropped by earlier calls may await the cycle collector (a cache's layers
+            # refer back to it): free them and look again before refusing.
+            gc.collect()
+            available = available_bytes(device)
+        if available is not None and caches + mask > available:
+            raise ValueError(
+                f"{asked} needs at least {_gib(caches + mask)} GiB on {device} for the KV "
+                f"caches ({_gib(caches)} GiB) and an attention mask, but only "
+                f"{_gib(available)} GiB is available there (weights, activations and workspace "
+                f"need more still): lower {lower}"
+            )
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation on ``device`` can take, or ``None`` where unknown (no check).
+
+    CUDA: the driver's free memory plus what torch's caching allocator holds unused (freed
+    tensors it keeps for reuse). CPU: :func:`host_available_bytes`. Other devices: unknown.
+    """
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free) + int(cached)
+    if device.type == "cpu":
+        return host_available_bytes()
+    return None
+
+
+def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """Host memory available without swapping: Linux's ``MemAvailable`` (free memory plus
+    reclaimable caches), else the free physical pages ``os.sysconf`` reports, else ``None``."""
+    try:
+        with open(meminfo, encoding="ascii") as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # no sysconf, or names it does not know
+        return None
+
+
+def _gib(size: int) -> str:
+    return f"{size / _GIB:.2f}"
+
+
+__all__ = [
+    "CacheNeed",
+    "available_bytes",
+    "cache_bytes",
+    "check_memory",
+    "host_available_bytes",
+    "kv_column_bytes",
+    "mask_bytes",
+]

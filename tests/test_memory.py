@@ -1,0 +1,256 @@
+"""The memory check: caches that cannot fit are refused before any work, with a clear error.
+
+Nothing large is ever allocated here: the available memory is monkeypatched small, and the
+estimate is checked against what real small caches allocate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import specselect.profiling
+from hf_models import ARCHS, MORE_ARCHS, left_padded_prompts, tiny_model
+from specselect import make_selector
+from specselect.cost import CostModel
+from specselect.hf import memory as hf_memory
+from specselect.hf import speculative_generate
+from specselect.hf.compat import ModelHandle
+from specselect.hf.kv import ModelCache
+from specselect.hf.memory import (
+    CacheNeed,
+    available_bytes,
+    cache_bytes,
+    check_memory,
+    host_available_bytes,
+    mask_bytes,
+)
+
+VOCAB = 128
+SLOTS, CAPACITY, WIDTH = 3, 40, 5
+
+
+def written_cache(model: nn.Module, static_span: bool = True) -> ModelCache:
+    """A small cache after one pass of ``WIDTH`` tokens (which allocates its layers)."""
+    cache = ModelCache(ModelHandle.of("target", model), SLOTS, CAPACITY, static_span=static_span)
+    cache.reserve(WIDTH)
+    ids = torch.full((SLOTS, WIDTH), 3, dtype=torch.int64)  # [S, W]
+    with torch.no_grad():
+        cache.forward(ids, torch.ones(SLOTS, WIDTH, dtype=torch.bool))
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ARCHS + MORE_ARCHS)
+def test_cache_estimate_is_what_a_cache_allocates(arch: str, dtype: torch.dtype) -> None:
+    """Every tensor a written cache holds, keys and values of every layer included: the
+    estimate cannot drift from kv.py (Llama, Qwen2 and Mistral have fewer KV heads than query
+    heads; GPT-2 and OPT configs name their sizes differently)."""
+    cache = written_cache(tiny_model(arch, 0).to(dtype))
+    assert cache.kv.written()
+    own = [v for v in vars(cache).values() if isinstance(v, torch.Tensor)]  # flags, counts
+    tensors = [*cache.kv.buffers(), *own]
+    assert cache_bytes(cache.handle, SLOTS, CAPACITY) == sum(t.nbytes for t in tensors)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_mask_estimate_is_the_mask_a_pass_hands_the_model(attn: str, dtype: torch.dtype) -> None:
+    cache = written_cache(tiny_model("llama", 0, attn_implementation=attn).to(dtype))
+    columns = torch.arange(WIDTH)  # [W]
+    valid = torch.ones(SLOTS, WIDTH, dtype=torch.bool)  # [S, W]
+    mask, _ = cache.pass_inputs(columns, valid, None, None, None)
+    assert mask_bytes(cache.handle, SLOTS, WIDTH, cache.kv.span) == mask.nbytes
+
+
+def test_without_head_sizes_the_estimate_leaves_keys_and_values_out() -> None:
+    """Quantized weights: the activations' dtype is unknown, so only the flags are counted
+    (still a lower bound)."""
+    handle = ModelHandle.of("target", tiny_model("llama", 0))
+    quantized = dataclasses.replace(handle, dtype=torch.int8)
+    assert cache_bytes(quantized, SLOTS, CAPACITY) < cache_bytes(handle, SLOTS, CAPACITY)
+    assert cache_bytes(quantized, SLOTS, CAPACITY) == SLOTS * CAPACITY + (SLOTS + 2) * 8
+
+
+def set_available(monkeypatch: pytest.MonkeyPatch, size: int | None) -> None:
+    monkeypatch.setattr(hf_memory, "available_bytes", lambda device: size)
+
+
+def need(model: nn.Module) -> CacheNeed:
+    return CacheNeed(ModelHandle.of("target", model), SLOTS, CAPACITY, WIDTH, CAPACITY)
+
+
+def estimate(wanted: CacheNeed) -> int:
+    return cache_bytes(wanted.handle, SLOTS, CAPACITY) + mask_bytes(
+        wanted.handle, SLOTS, WIDTH, CAPACITY
+    )
+
+
+@pytest.mark.parametrize("spare", [0, -1])
+def test_only_an_estimate_beyond_the_available_memory_is_refused(
+    monkeypatch: pytest.MonkeyPatch, spare: int
+) -> None:
+    wanted = need(tiny_model("llama", 0))
+    set_available(monkeypatch, estimate(wanted) + spare)
+    if spare < 0:
+        with pytest.raises(ValueError, match=r"^the ask needs at least .* GiB on cpu.*: lower it$"):
+            check_memory([wanted], "the ask", "it")
+    else:
+        check_memory([wanted], "the ask", "it")
+
+
+def test_dropped_caches_are_collected_before_refusing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dropped cache's layers refer back to it, so only the cycle collector frees its
+    buffers: memory that such garbage holds counts as available."""
+    model = tiny_model("llama", 0)
+    dropped = weakref.ref(written_cache(model).kv.buffers()[0])
+    wanted = need(model)
+    short = estimate(wanted) - 1
+    monkeypatch.setattr(
+        hf_memory, "available_bytes", lambda device: short if dropped() is not None else short + 1
+    )
+    check_memory([wanted], "the ask", "it")
+    assert dropped() is None
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_a_model_spread_over_devices_is_not_checked(
+    monkeypatch: pytest.MonkeyPatch, spread: bool
+) -> None:
+    """Its layers' caches sit on their layers' devices, which the input device does not tell."""
+    model = tiny_model("llama", 0)
+    wanted = need(model)
+    if spread:
+        model.lm_head.to("meta")
+    set_available(monkeypatch, 0)
+    if spread:
+        check_memory([wanted], "the ask", "it")
+    else:
+        with pytest.raises(ValueError, match="the ask needs"):
+            check_memory([wanted], "the ask", "it")
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[nn.Module, nn.Module]:
+    return tiny_model("llama", 0), tiny_model("llama", 1, layers=1)
+
+
+@pytest.fixture
+def forwards(pair: tuple[nn.Module, nn.Module]) -> Iterator[list[str]]:
+    """The names of the models whose forward ran, in order."""
+    ran: list[str] = []
+    hooks = [
+        model.register_forward_pre_hook(lambda *_, name=name: ran.append(name))
+        for name, model in zip(("target", "draft"), pair, strict=True)
+    ]
+    yield ran
+    for hook in hooks:
+        hook.remove()
+
+
+def generate(target: nn.Module, draft: nn.Module) -> object:
+    ids, mask = left_padded_prompts(4, 2, 6, VOCAB, 0)
+    selector = make_selector("tetris", k=2)
+    return speculative_generate(target, draft, ids, mask, selector=selector, max_new_tokens=8)
+
+
+def profile(target: nn.Module, draft: nn.Module) -> object:
+    grid = {"batch_sizes": (1, 2), "widths": (1, 2), "contexts": (8, 16)}
+    return CostModel.measure(target, draft, repeats=1, warmup=1, progress=False, **grid)
+
+
+# (caller, what its error names)
+CALLERS: list[tuple[Callable[[nn.Module, nn.Module], object], str]] = [
+    (
+        generate,
+        r"speculative_generate with 4 rows of 78 cache columns "
+        r"\(prompt 6 \+ max_new_tokens 8 \+ cache_slack 64\)",
+    ),
+    (profile, r"profiling at context 16 with batch sizes \[1, 2\]"),
+]
+
+
+@pytest.mark.parametrize("available", [1 << 10, None, 1 << 40], ids=["short", "unknown", "plenty"])
+@pytest.mark.parametrize(("caller", "asked"), CALLERS, ids=["generate", "profile"])
+def test_caches_beyond_the_memory_are_refused_before_any_forward(
+    monkeypatch: pytest.MonkeyPatch,
+    pair: tuple[nn.Module, nn.Module],
+    forwards: list[str],
+    caller: Callable[[nn.Module, nn.Module], object],
+    asked: str,
+    available: int | None,
+) -> None:
+    """Refused when short, before either model runs; run when the memory is there or unknown."""
+    set_available(monkeypatch, available)
+    if available == 1 << 10:
+        says = asked + r".* needs at least [\d.]+ GiB on cpu .* lower"
+        with pytest.raises(ValueError, match=says):
+            caller(*pair)
+        assert forwards == []
+    else:
+        caller(*pair)
+        assert set(forwards) == {"target", "draft"}
+
+
+def test_profiling_frees_a_context_s_caches_before_the_next(
+    monkeypatch: pytest.MonkeyPatch, pair: tuple[nn.Module, nn.Module]
+) -> None:
+    """The check counts one context's caches: those of the previous context must be gone
+    (their layers refer back to them, so only the cycle collector frees them)."""
+    allocate = specselect.profiling._cache_for
+    earlier: list[tuple[int, weakref.ref[torch.Tensor]]] = []
+
+    def spy(handle: Any, batch: int, context: int, *args: Any) -> Any:
+        alive = [c for c, ref in earlier if c != context and ref() is not None]
+        assert alive == [], f"caches of context {alive} still allocated at context {context}"
+        cache, runner = allocate(handle, batch, context, *args)
+        earlier.extend((context, weakref.ref(b)) for b in cache.kv.buffers())
+        return cache, runner
+
+    monkeypatch.setattr(specselect.profiling, "_cache_for", spy)
+    profile(*pair)
+    assert {c for c, _ in earlier} == {8, 16}
+
+
+@pytest.mark.parametrize(
+    ("meminfo", "sysconf", "expected"),
+    [
+        ("MemTotal:  8000 kB\nMemAvailable:    2048 kB\n", None, 2048 * 1024),
+        (None, {"SC_AVPHYS_PAGES": 5, "SC_PAGE_SIZE": 4096}, 5 * 4096),
+        ("MemTotal:  8000 kB\n", {"SC_AVPHYS_PAGES": 5, "SC_PAGE_SIZE": 4096}, 5 * 4096),
+        (None, {}, None),
+    ],
+    ids=["meminfo", "no meminfo", "no MemAvailable", "neither"],
+)
+def test_host_memory_from_meminfo_else_sysconf(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    meminfo: str | None,
+    sysconf: dict[str, int] | None,
+    expected: int | None,
+) -> None:
+    path = tmp_path / "meminfo"
+    if meminfo is not None:
+        path.write_text(meminfo)
+    if sysconf is not None:
+
+        def fake_sysconf(name: str) -> int:
+            if name not in sysconf:
+                raise ValueError(f"unrecognized configuration name {name!r}")
+            return sysconf[name]
+
+        monkeypatch.setattr(hf_memory.os, "sysconf", fake_sysconf)
+    assert host_available_bytes(str(path)) == expected
+
+
+@pytest.mark.parametrize(("device", "known"), [("cpu", True), ("meta", False)])
+def test_available_memory_is_known_on_the_host_only(device: str, known: bool) -> None:
+    size = available_bytes(torch.device(device))
+    assert (size is not None and size > 0) if known else size is None
