@@ -286,6 +286,30 @@ def test_captured_learning_selector_learns_as_in_eager_mode() -> None:
             torch.testing.assert_close(graph_value, eager_value)
 
 
+def test_a_replaced_workspace_is_freed_before_the_new_one_is_allocated() -> None:
+    """A call the kept workspace cannot serve (here: another sampling mode) replaces it, and
+    the old caches' memory is free before the new ones are allocated."""
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    release_workspace(target)
+    old: list[weakref.ref[torch.Tensor]] = []
+    alive_at_allocation: list[int] = []
+    allocate = hf_generate.GenerationState.__init__
+
+    def spy(self: object, *args: object, **kwargs: object) -> None:
+        alive_at_allocation.append(sum(ref() is not None for ref in old))
+        allocate(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    with emulate_on_cpu(), pytest.MonkeyPatch.context() as patch:
+        run(target, draft, ids[:3], mask[:3], "fixed", eos, cuda_graphs=True)
+        old.extend(
+            weakref.ref(b) for b in hf_generate._WORKSPACES[target].state.target.kv.buffers()
+        )
+        patch.setattr(hf_generate.GenerationState, "__init__", spy)
+        run(target, draft, ids[:3], mask[:3], "fixed", eos, cuda_graphs=True, do_sample=True)
+    release_workspace(target)
+    assert old and alive_at_allocation == [0]
+
+
 def test_a_busy_workspace_is_not_shared() -> None:
     """While a call uses the kept workspace (here: its lock held, as by another thread), a
     second call on the same target runs in a workspace of its own and leaves the kept one as

@@ -7,6 +7,7 @@ estimate is checked against what real small caches allocate.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -106,11 +107,33 @@ def test_only_an_estimate_beyond_the_available_memory_is_refused(
         check_memory([wanted], "the ask", "it")
 
 
-def test_dropped_caches_are_collected_before_refusing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A dropped cache's layers refer back to it, so only the cycle collector frees its
-    buffers: memory that such garbage holds counts as available."""
+def test_a_dropped_cache_frees_its_buffers_at_once() -> None:
+    """No reference cycle: a cache's layers refer back to it weakly, so dropping the cache
+    frees its buffers without waiting for the cycle collector."""
     model = tiny_model("llama", 0)
-    dropped = weakref.ref(written_cache(model).kv.buffers()[0])
+    cache = written_cache(model)
+    buffers = [weakref.ref(b) for b in cache.kv.buffers()]
+    gc.disable()
+    try:
+        del cache
+        assert [ref() for ref in buffers] == [None] * len(buffers)
+    finally:
+        gc.enable()
+
+
+class _Cycle:
+    """Garbage that only the cycle collector frees, holding a tensor."""
+
+    def __init__(self) -> None:
+        self.me = self
+        self.tensor = torch.zeros(4)
+
+
+def test_garbage_in_cycles_is_collected_before_refusing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory that garbage in reference cycles holds is available: it is collected and the
+    memory looked at again before a refusal."""
+    model = tiny_model("llama", 0)
+    dropped = weakref.ref(_Cycle().tensor)
     wanted = need(model)
     short = estimate(wanted) - 1
     monkeypatch.setattr(
@@ -202,8 +225,7 @@ def test_caches_beyond_the_memory_are_refused_before_any_forward(
 def test_profiling_frees_a_context_s_caches_before_the_next(
     monkeypatch: pytest.MonkeyPatch, pair: tuple[nn.Module, nn.Module]
 ) -> None:
-    """The check counts one context's caches: those of the previous context must be gone
-    (their layers refer back to them, so only the cycle collector frees them)."""
+    """The check counts one context's caches: those of the previous context must be gone."""
     allocate = specselect.profiling._cache_for
     earlier: list[tuple[int, weakref.ref[torch.Tensor]]] = []
 

@@ -28,7 +28,6 @@ model.
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 import platform
 import statistics
@@ -111,7 +110,6 @@ def measure_samples(
             passes = _passes(handles, batches, width_grid, context, vocab, mode)
             samples += _time_round_robin(passes, repeats, warmup, bar.update, statistic)
             del passes
-            gc.collect()  # a cache's layers refer back to it: only the collector frees them
     source = CostSource(
         hardware=_hardware(handles["target"].device),
         dtype=str(handles["target"].dtype).replace("torch.", ""),

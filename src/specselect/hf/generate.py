@@ -49,6 +49,7 @@ shares every other cost.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 import weakref
@@ -491,8 +492,11 @@ class _Loop:
                 kept.retain(capture)
                 return kept
             kept.lock.release()
-            # Replaced: free the old buffers before allocating.
+            # Replaced: free the old buffers before allocating. Captured graphs hold reference
+            # cycles (traced modules, graph pools), so only the collector frees them.
             _WORKSPACES.pop(self.target.model, None)
+            kept = None
+            gc.collect()
         self._check_memory(layout, prompt)
         # The state holds the models weakly: a kept workspace must not keep them alive.
         state = GenerationState(self.target.weak(), self._drafter(layout), layout, graphs)

@@ -38,6 +38,8 @@ tests).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
@@ -57,7 +59,9 @@ class _SlotLayer(CacheLayerMixin):
 
     def __init__(self, owner: SlotCache) -> None:
         super().__init__()
-        self.owner = owner
+        # Weak: a strong reference back would make every cache a reference cycle, whose
+        # gigabytes of buffers only the cycle collector frees, whenever it happens to run.
+        self.owner = weakref.proxy(owner)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         """Allocate ``[slots, heads, capacity, head_dim]`` on the first write (the prefill, or

@@ -105,8 +105,8 @@ def check_memory(needs: Sequence[CacheNeed], asked: str, lower: str) -> None:
         mask = max(mask_bytes(n.handle, n.slots, n.width, n.span) for n in group)
         available = available_bytes(device)
         if available is not None and caches + mask > available:
-            # Caches dropped by earlier calls may await the cycle collector (a cache's layers
-            # refer back to it): free them and look again before refusing.
+            # Memory that garbage in reference cycles holds is free to take: collect it and look
+            # again before refusing.
             gc.collect()
             available = available_bytes(device)
         if available is not None and caches + mask > available:
