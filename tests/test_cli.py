@@ -33,7 +33,13 @@ from specselect.replay import (
     save_traces,
     selector_grid,
 )
-from specselect.report import ResultRow, format_table, markdown_table, results_json
+from specselect.report import (
+    PLOTS_SKIPPED,
+    ResultRow,
+    format_table,
+    markdown_table,
+    results_json,
+)
 from specselect.selectors import SELECTORS
 from test_replay import build_tiny_pair
 
@@ -396,6 +402,7 @@ def test_bad_input_exits_2_without_traceback(
     code, stdout, stderr = run_main(["compare", "--out", str(tmp_path / "out"), *argv])
     assert code == 2
     assert message in stderr
+    assert stderr.startswith("specselect compare: error: ")  # argparse's prefix, and ours
     assert "Traceback" not in stderr + stdout
     assert not (tmp_path / "out" / "results.json").exists()
     assert len(stderr.strip().splitlines()) == 1, stderr  # argparse's errors too: no usage block
@@ -504,6 +511,23 @@ def test_bad_out_fails_before_any_work(
     assert not (tmp_path / "new.pt").exists()  # nothing was recorded
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--out", "/proc"], "--out: the directory '/proc' is not writable (creating a file"),
+        (
+            ["--traces", "/proc/t.pt"],
+            "--traces '/proc/t.pt': the directory '/proc' is not writable (creating a file",
+        ),
+    ],
+)
+def test_unwritable_directory_says_so(tmp_path: Path, argv: list[str], message: str) -> None:
+    """/proc exists but takes no files (its errno, ENOENT, would say it does not exist)."""
+    code, _, stderr = run_main(["compare", "--out", str(tmp_path), *argv, "--quiet"])
+    assert code == 2 and message in stderr, stderr
+
+
 def test_unavailable_device_is_a_usage_error(
     model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -539,6 +563,19 @@ def test_rerun_removes_stale_plots(compare_run: dict, tmp_path: Path) -> None:
     assert not (tmp_path / "vsr_vs_extra.png").exists()
     assert not (tmp_path / "tokens_per_step_vs_budget.png").exists()
     assert (tmp_path / "mine.png").exists()
+
+
+def test_compare_without_matplotlib_warns_once(
+    compare_run: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library's words, once, as a warning line; the results are written all the same."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an import then raises on
+    traces = ["--traces", str(compare_run["out"] / "traces.pt"), "--max-new-tokens", "10"]
+    grid = ["--selectors", "tetris", "--k", "1", "--extra", "1", "--slots", "2", "--quiet"]
+    code, _, stderr = run_main(["compare", *traces, "--out", str(tmp_path), *grid])
+    assert code == 0, stderr
+    assert stderr.splitlines() == [f"specselect: warning: {PLOTS_SKIPPED}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "results.json"]
 
 
 def test_vsr_undefined_when_nothing_verified() -> None:
@@ -585,6 +622,14 @@ def test_compare_help_shows_defaults_and_names() -> None:
     defaults = ["2,3,4", "1,2,3", "32", "64", "replay", "cpu", "float32", "1", "0"]
     for value in [*defaults, "specselect-compare", "all", "none", "the shipped tiny pair"]:
         assert f"(default: {value})" in text, value
+
+
+def test_profile_help_says_what_repeats_keep() -> None:
+    code, stdout, _ = run_main(["profile", "--help"])
+    text = " ".join(stdout.split())  # argparse wraps lines
+    assert code == 0 and "median is kept" not in text
+    assert "--repeats N timed calls per shape, of which a shape keeps one statistic" in text
+    assert "--statistic {median,min} what a shape keeps of its timed calls" in text
 
 
 def test_limit_beyond_the_prompts_warns(model_dirs: dict[str, Path], tmp_path: Path) -> None:
@@ -819,7 +864,7 @@ def test_profile_bad_input_exits_2_without_traceback(
     tmp_path: Path, argv: list[str], message: str
 ) -> None:
     code, stdout, stderr = run_main(["profile", "--out", str(tmp_path / "c.json"), *argv])
-    assert code == 2
+    assert code == 2 and stderr.startswith("specselect profile: error: ")
     assert message in stderr and "Traceback" not in stderr + stdout
     assert len(stderr.strip().splitlines()) == 1, stderr
     assert not (tmp_path / "c.json").exists()

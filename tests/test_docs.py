@@ -96,6 +96,15 @@ def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.Mon
     exec(compile(block.code, block.where, "exec"), {"__name__": "__doc_block__"})
 
 
+def test_readme_loop_is_in_the_example() -> None:
+    """The README says ``examples/custom_loop.py`` runs its loop (with a seed and a print): the
+    example holds every line of the README's block, in order."""
+    (block,) = [b for b in BLOCKS if b.where.startswith("README.md") and "observe(" in b.code]
+    example = iter((ROOT / "examples" / "custom_loop.py").read_text(encoding="utf-8").splitlines())
+    missing = [line for line in block.code.splitlines() if line.strip() and line not in example]
+    assert not missing, missing
+
+
 def test_readme_table_excerpt_has_the_real_header() -> None:
     """The README's excerpt of ``specselect compare``'s table starts with the lines (the cost
     model, the header and the rule) that the table of a default run has."""

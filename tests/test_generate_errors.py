@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +96,13 @@ def fractional_mask(value: float) -> torch.Tensor:
     return mask
 
 
+def mask_without_row(row: int) -> torch.Tensor:
+    """The valid prompts' mask with row ``row`` all 0: an empty prompt, not right padding."""
+    mask = left_padded_prompts(4, 2, 6, VOCAB, 0)[1].clone()
+    mask[row] = 0
+    return mask
+
+
 def sliding_window_target(models) -> nn.Module:
     config = MistralConfig(
         vocab_size=VOCAB,
@@ -171,6 +179,13 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
         lambda m: torch.tensor([[1, 1, 1, 1, 1, 0]] * 4),
         ValueError,
         "left-padded",
+    ),
+    (
+        "empty prompt row",
+        "attention_mask",
+        lambda m: mask_without_row(2),
+        ValueError,
+        r"prompt row 2 is empty: its attention_mask \(given\) is all 0",
     ),
     (
         "model without KV cache",
@@ -294,6 +309,19 @@ def test_selector_with_negative_draft_length(models) -> None:
 
     with pytest.raises(ValueError, match=r"selector.draft_length\(\) must be >= 0"):
         call(models, selector=Broken(k=1))
+
+
+@pytest.mark.parametrize("spec", [{"name": "tetris", "k": 2}, {"name": "fixed", "k": 3}])
+def test_too_small_cache_slack_says_which_would_do(models, spec: dict[str, Any]) -> None:
+    """Rows drift apart, and a step's window beside the longest row overflows a cache without
+    slack. No minimum is known before the call (the first step fits): the error names
+    cache_slack and the value that holds the step, which then runs."""
+    new = {"max_new_tokens": 20}
+    with pytest.raises(RuntimeError, match=r"cache_slack=0 is too small for this call") as caught:
+        call(models, selector=make_selector(**spec), cache_slack=0, **new)
+    enough = re.search(r"pass cache_slack >= (\d+) ", str(caught.value))
+    assert enough is not None, caught.value
+    call(models, selector=make_selector(**spec), cache_slack=int(enough.group(1)), **new)
 
 
 def test_max_length_within_the_prompt_raises(models) -> None:

@@ -9,7 +9,8 @@ import pytest
 
 from specselect.cost import default_cost_model
 from specselect.estimators import ESTIMATORS, NO_ESTIMATOR
-from specselect.registry import SelectorSpec, parse_spec, spec_estimators
+from specselect.registry import SelectorSpec, make_selector, parse_spec, spec_estimators
+from specselect.replay import SelectorConfig
 from specselect.selectors import SELECTORS
 
 
@@ -85,3 +86,46 @@ def test_spec_kwargs_take_estimators_where_the_selector_has_one(name: str) -> No
             assert getattr(selector, "guard", None) is None  # tetris+none: the paper, no guard
         else:
             assert selector.estimator is not None and selector.estimator.name == estimator
+
+
+@pytest.mark.parametrize(
+    "spec", [f"{name}+{e}" for name in sorted(TAKE_AN_ESTIMATOR) for e in spec_estimators()]
+)
+def test_make_selector_takes_the_specs_compare_takes(spec: str) -> None:
+    """``make_selector("tetris+none", ...)`` builds what ``specselect compare`` builds for
+    that spec (one parser, one meaning of the estimator part)."""
+    kwargs = SELECTORS[parse_spec(spec).name].grid_kwargs(2, 1, None)
+    assert kwargs is not None
+    compared = SelectorConfig(spec, 2, 1, None, kwargs).build()
+    assert repr(make_selector(spec, **kwargs)) == repr(compared)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "error", "match"),
+    [
+        ("fixed", {}, TypeError, r"selector 'fixed' needs k, e\.g\. make_selector\('fixed', k="),
+        ("threshold", {"max_k": 3}, TypeError, "selector 'threshold' needs threshold, e.g."),
+        ("tetris+none", {}, TypeError, r"selector 'tetris\+none' needs k"),
+        ("tetris+none", {"k": 2, "guard": True}, TypeError, "already sets guard; to choose"),
+        ("fixed+history", {"k": 2}, ValueError, r"'fixed\+history': 'fixed' takes no estimator"),
+        ("nope", {}, ValueError, "unknown selector 'nope'; expected one of dsd, "),
+        ("fixed", {"window": 2}, TypeError, "'fixed' does not take window; it takes k"),
+    ],
+)
+def test_make_selector_rejects(
+    name: str, kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        make_selector(name, **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_repr_is_the_constructor_arguments_in_short(name: str) -> None:
+    """No internal state (``capture_token``), no cost model samples, no object addresses."""
+    cls = SELECTORS[name]
+    kwargs = cls.grid_kwargs(2, 1, None)
+    assert kwargs is not None
+    text = repr(cls(**kwargs, **cls.spec_kwargs(None, default_cost_model())))
+    assert text.startswith(f"{cls.__name__}(") and len(text) < 200, text
+    assert "capture_token" not in text and " at 0x" not in text, text
+    assert all(f"{key}={value!r}" in text for key, value in kwargs.items()), text

@@ -12,7 +12,9 @@ product of the shown probabilities of a prefix is the chance it is accepted.
 from __future__ import annotations
 
 import copy
+import fractions
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +39,7 @@ from specselect.replay import (
     selector_grid,
     traces_summary,
 )
+from specselect.replay.traces import TRACE_FORMAT, TRACE_VERSION
 from specselect.selection import Selection, available_lengths, chain_scores
 from specselect.selectors import SELECTORS
 
@@ -222,15 +225,42 @@ def test_save_load_round_trip(model_traces: Traces, tmp_path) -> None:
     assert torch.equal(loaded.runs, model_traces.runs)
 
 
-def test_load_rejects_other_files(tmp_path) -> None:
+def test_load_rejects_a_missing_file(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_traces(tmp_path / "missing.pt")
-    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    with pytest.raises(ValueError, match="not a specselect trace file"):
-        load_traces(tmp_path / "other.pt")
-    (tmp_path / "junk.pt").write_text("not a tensor file")
-    with pytest.raises(ValueError, match="not a readable trace file"):
-        load_traces(tmp_path / "junk.pt")
+
+
+# Files that are not traces: name -> (writer, what the error says)
+OTHER_FILES: dict[str, tuple[Callable[[Path], object], str]] = {
+    "text": (lambda p: p.write_text("some text\n"), "is not a specselect trace file"),
+    "other tensors": (
+        lambda p: torch.save({"weights": torch.zeros(2)}, p),
+        "is not a specselect trace file",
+    ),
+    # torch refuses this one with advice to unpickle unsafely (weights_only=False)
+    "foreign pickle": (
+        lambda p: torch.save({"x": fractions.Fraction(1, 2)}, p),
+        "is not a specselect trace file",
+    ),
+    "damaged traces": (
+        lambda p: torch.save({"format": TRACE_FORMAT, "version": TRACE_VERSION}, p),
+        "is a damaged specselect trace file",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OTHER_FILES))
+def test_load_rejects_other_files_naming_them(tmp_path: Path, kind: str) -> None:
+    """One line naming the file and what was expected; never torch's advice to unpickle
+    unsafely (``weights_only=False``, "arbitrary code execution")."""
+    write, message = OTHER_FILES[kind]
+    path = tmp_path / "some.txt"
+    write(path)
+    with pytest.raises(ValueError) as caught:
+        load_traces(path)
+    text = str(caught.value)
+    assert text.startswith(repr(str(path))) and message in text
+    assert "weights_only" not in text and "\n" not in text
 
 
 @pytest.mark.parametrize(
@@ -674,6 +704,21 @@ def test_selector_grid_shapes() -> None:
     assert len(by_name["oracle"]) == 8
     tetris = next(c for c in by_name["tetris"] if c.budget == 10)
     assert tetris.kwargs == {"k": 2, "extra": 1, "budget": 10}
+
+
+@pytest.mark.parametrize(
+    ("names", "kept"),
+    [
+        (["tetris", "tetris+choice"], ["tetris"]),  # choice: TETRIS's default estimator
+        (["tetris+choice", "tetris"], ["tetris+choice"]),  # the first spelling stays
+        (["tetris", "tetris+none", "tetris"], ["tetris", "tetris+none"]),
+        (["threshold+none", "threshold"], ["threshold+none"]),  # no estimator by default
+        (["tetris+history", "tetris+draft"], ["tetris+history", "tetris+draft"]),
+    ],
+)
+def test_selector_grid_configures_a_selector_once(names: list[str], kept: list[str]) -> None:
+    """Specs that resolve to the same configuration are one, as repeated grid values are."""
+    assert [c.name for c in selector_grid(names, [2], [1])] == kept
 
 
 @pytest.mark.parametrize("name", sorted(SELECTORS))

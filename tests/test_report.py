@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 
 from specselect.cli import default_selectors
 from specselect.metrics import Totals
 from specselect.replay import MEASURED, ResultRow, SelectorConfig
 from specselect.report import (
+    PLOT_FILES,
+    PLOTS_SKIPPED,
     _reliability_figure,
     _style,
     _summary_lines,
@@ -16,6 +22,7 @@ from specselect.report import (
     markdown_table,
     merge_extra_repeats,
     results_json,
+    write_report,
 )
 
 FIXED = Totals(steps=4, active=8, verified=16, accepted=8, emitted=16, seconds=1.0)
@@ -155,3 +162,20 @@ def test_table_lines_end_without_blanks() -> None:
     lines = format_table(rows).splitlines()
     assert lines[-1].startswith("oracle")
     assert all(line == line.rstrip() for line in lines)
+
+
+def test_report_without_matplotlib_writes_results_and_warns_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No matplotlib: results.json and report.md are written, the plots skipped with one
+    warning, and plots of an earlier run removed (they would pass for this one's)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an import then raises on
+    (tmp_path / PLOT_FILES["vsr_plot"]).write_bytes(b"stale")
+    rows = [*grid_rows(), row("tetris", 2, 1, DSD, calibration=BINS)]
+    with pytest.warns(RuntimeWarning) as caught:
+        written = write_report(rows, tmp_path, {"command": "test"})
+    assert [str(w.message) for w in caught] == [PLOTS_SKIPPED]
+    assert sorted(written) == ["json", "markdown"]
+    assert len(json.loads(written["json"].read_text())["rows"]) == len(rows)
+    assert "## Plots" not in written["markdown"].read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "results.json"]

@@ -48,7 +48,7 @@ from specselect.replay import (
     selector_grid,
     traces_summary,
 )
-from specselect.report import format_table, write_report
+from specselect.report import PLOTS_SKIPPED, format_table, matplotlib_missing, write_report
 from specselect.selectors.goodput import GOODPUT
 
 EXIT_USAGE = 2
@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="reuse traces from this file if it exists (checked against --target/--draft, "
         "--prompts and --limit when given, and in live mode), else record them and save them "
-        "there (default: record, and save them as traces.pt in --out)",
+        "there, creating its directory as --out does (default: record, and save them as "
+        "traces.pt in --out)",
     )
     grid = compare.add_argument_group("selectors and grids")
     grid.add_argument(
@@ -334,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no progress bars (neither specselect's nor transformers' weight loading)",
     )
-    compare.set_defaults(func=run_compare)
+    compare.set_defaults(func=run_compare, prog=compare.prog)
     _add_profile_parser(commands)
     return parser
 
@@ -397,7 +398,8 @@ def _add_profile_parser(commands: Any) -> None:
         metavar="N",
         type=_integer("--repeats", 1),
         default=DEFAULT_REPEATS,
-        help="timed calls per shape, the median is kept (default: %(default)s)",
+        help="timed calls per shape, of which a shape keeps one statistic (--statistic) "
+        "(default: %(default)s)",
     )
     profile.add_argument(
         "--statistic",
@@ -435,7 +437,7 @@ def _add_profile_parser(commands: Any) -> None:
     )
     profile.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
     profile.add_argument("--quiet", action="store_true", help="no progress bars")
-    profile.set_defaults(func=run_profile)
+    profile.set_defaults(func=run_profile, prog=profile.prog)
 
 
 # --------------------------------------------------------------------------------------------
@@ -620,7 +622,7 @@ def obtain_traces(args: argparse.Namespace, max_k: int) -> tuple[Traces, Inputs 
         inputs = load_inputs(args) if _names_inputs(args) else None
         return _requests_to_use(traces, path, inputs, args.limit), inputs
     if path is not None:  # before recording, not after: the recording would be lost
-        check_writable_dir("--traces", path.parent)
+        check_writable_dir(f"--traces {str(path)!r}", path.parent)
     inputs = load_inputs(args)
     prompt_ids = tokenize(inputs.tokenizer, inputs.prompts)
     traces = record_traces(
@@ -641,21 +643,15 @@ def obtain_traces(args: argparse.Namespace, max_k: int) -> tuple[Traces, Inputs 
 
 
 def _load_traces_arg(path: Path) -> Traces:
-    """``load_traces`` with one-line errors naming ``--traces`` (torch's are long and cryptic)."""
+    """``load_traces`` with its one-line errors naming ``--traces``."""
     if path.is_dir():
         raise UsageError(f"--traces {str(path)!r} is a directory, not a specselect trace file")
     try:
         return load_traces(path)
     except OSError as exc:
         raise UsageError(f"--traces {str(path)!r}: cannot read it: {_reason(exc)}") from None
-    except (ValueError, TypeError, KeyError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        if "trace format version" in first:  # a trace file, of another version
-            raise UsageError(f"--traces {first}") from None
-        raise UsageError(
-            f"--traces {str(path)!r} is not a specselect trace file (record one with "
-            "specselect compare --traces NEW_FILE)"
-        ) from None
+    except ValueError as exc:
+        raise UsageError(f"--traces {exc}") from None
 
 
 def _names_inputs(args: argparse.Namespace) -> bool:
@@ -706,20 +702,27 @@ def _as_usage_error() -> Iterator[None]:
 
 
 def check_writable_dir(option: str, path: Path) -> None:
-    """Create ``path`` and write a probe file in it: a bad ``--out`` must fail before the work.
+    """Create ``path`` (and its parents) and write a probe file in it: a bad ``--out`` must
+    fail before the work. ``option`` names the argument in the error.
 
     (``os.access`` is not enough: it says yes to root on read-only mounts, and to nothing on
     paths that do not exist yet.)
     """
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
     except FileExistsError:
-        raise UsageError(f"{option} {str(path)!r} exists and is not a directory") from None
+        raise UsageError(f"{option}: {str(path)!r} exists and is not a directory") from None
     except OSError as exc:
         raise UsageError(
-            f"{option} {str(path)!r} is not a writable directory: {_reason(exc)}"
+            f"{option}: cannot create the directory {str(path)!r}: {_reason(exc)}"
+        ) from None
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:  # the errno can mislead (ENOENT in /proc): say what failed
+        raise UsageError(
+            f"{option}: the directory {str(path)!r} is not writable (creating a file in it "
+            f"failed: {_reason(exc)})"
         ) from None
 
 
@@ -815,7 +818,7 @@ def _compare(args: argparse.Namespace) -> int:
         rows = [ResultRow.replayed(config, result) for config, result in replayed]
     meta = _meta(args, traces, cost_model, time.perf_counter() - began)
     try:
-        written = write_report(rows, args.out, meta, plots=not args.no_plots and _have_matplotlib())
+        written = write_report(rows, args.out, meta, plots=_draw_plots(args))
     except OSError as exc:
         raise UsageError(
             f"--out {str(args.out)!r}: cannot write the report: {_reason(exc)}"
@@ -885,7 +888,7 @@ def run_profile(args: argparse.Namespace) -> int:
         raise UsageError(f"--cuda-graphs needs a CUDA --device, got {args.device!r}")
     if args.out.is_dir():
         raise UsageError(f"--out {str(args.out)!r} is a directory; name the JSON file to write")
-    check_writable_dir("--out", args.out.parent)
+    check_writable_dir(f"--out {str(args.out)!r}", args.out.parent)
     with contextlib.ExitStack() as settings:
         settings.enter_context(_torch_threads(args.threads))
         if args.quiet:
@@ -909,7 +912,7 @@ def run_profile(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
     written = {"json": model.save(args.out)}
     model = CostModel.load(written["json"])  # what compare --cost-model will read
-    if not args.no_plots and _have_matplotlib():
+    if _draw_plots(args):
         written["plot"] = plot_cost_model(model, args.out.with_suffix(".png"))
     print(format_cost_model(model))
     print()
@@ -918,15 +921,13 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _have_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print(
-            "specselect: matplotlib is not installed; skipping plots "
-            "(pip install 'specselect[plot]')",
-            file=sys.stderr,
-        )
+def _draw_plots(args: argparse.Namespace) -> bool:
+    """Whether to draw plots: not with ``--no-plots``, nor without matplotlib (then saying so,
+    in the library's words)."""
+    if args.no_plots:
+        return False
+    if matplotlib_missing():
+        _warn(PLOTS_SKIPPED)
         return False
     return True
 
@@ -949,8 +950,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return int(args.func(args))
-    except UsageError as exc:
-        print(f"specselect: error: {exc}", file=sys.stderr)
+    except UsageError as exc:  # prefixed as argparse prefixes its own: "specselect compare: error:"
+        print(f"{args.prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
 

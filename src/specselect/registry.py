@@ -22,17 +22,25 @@ def available_selectors() -> list[str]:
 
 
 def make_selector(name: str, **kwargs: Any) -> Selector:
-    """Create a selector by registry name, e.g. ``make_selector("tetris", k=3, extra=2)``.
+    """Create a selector by registry name or selector spec, e.g.
+    ``make_selector("tetris", k=3, extra=2)``, ``make_selector("tetris+none", k=3)``.
+
+    A spec's estimator part means what it means in ``specselect compare``
+    (:meth:`~specselect.selection.Selector.spec_kwargs`): ``"tetris+none"`` is
+    ``make_selector("tetris", estimator=None, guard=False)``, the paper's TETRIS.
 
     Raises:
-        ValueError: unknown name (the message lists the known ones).
-        TypeError: keyword arguments the selector does not take.
+        ValueError: unknown name (the message lists the known ones), or a bad spec.
+        TypeError: keyword arguments the selector does not take, a required one missing, or
+            one the spec already sets.
     """
+    base, estimator = parse_spec(name)
     try:
-        cls = SELECTORS[name]
+        cls = SELECTORS[base]
     except KeyError:
         raise ValueError(
-            f"unknown selector {name!r}; expected one of {', '.join(available_selectors())}"
+            f"unknown selector {base!r}; expected one of {', '.join(available_selectors())}, "
+            f"optionally with +estimator ({', '.join(spec_estimators())})"
         ) from None
     params = inspect.signature(cls).parameters
     unknown = sorted(set(kwargs) - set(params))
@@ -41,7 +49,29 @@ def make_selector(name: str, **kwargs: Any) -> Selector:
             f"selector {name!r} does not take {', '.join(unknown)}; "
             f"it takes {', '.join(params) or 'no arguments'}"
         )
-    return cls(**kwargs)
+    try:
+        spec = cls.spec_kwargs(estimator, None)
+    except ValueError as exc:  # an estimator for a selector that takes none
+        raise ValueError(f"selector spec {name!r}: {exc}") from None
+    clash = sorted(set(spec) & set(kwargs))
+    if clash:
+        raise TypeError(
+            f"selector spec {name!r} already sets {', '.join(clash)}; to choose, use the "
+            f"plain name: make_selector({base!r}, {', '.join(f'{p}=...' for p in clash)}, ...)"
+        )
+    required = [
+        p
+        for p, param in params.items()
+        if param.default is param.empty
+        and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+    ]
+    missing = [p for p in required if p not in kwargs and p not in spec]
+    if missing:
+        raise TypeError(
+            f"selector {name!r} needs {', '.join(missing)}, e.g. "
+            f"make_selector({name!r}, {', '.join(f'{p}=...' for p in required)})"
+        )
+    return cls(**spec, **kwargs)
 
 
 class SelectorSpec(NamedTuple):

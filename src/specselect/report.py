@@ -27,6 +27,7 @@ matplotlib is imported only when plots are drawn, and through its object-oriente
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -697,34 +698,63 @@ def write_report(
     *,
     plots: bool = True,
 ) -> dict[str, Path]:
-    """Write ``results.json``, ``report.md`` and (optionally) the two PNG plots to ``out_dir``.
+    """Write ``results.json``, ``report.md`` and (optionally) the PNG plots to ``out_dir``.
 
     Returns the written paths by kind (``json``, ``markdown``, ``tokens_plot``, ``vsr_plot``,
-    and ``reliability_plot`` when a ranking selector reported calibration bins). Plots of
+    and ``reliability_plot`` when a ranking selector reported calibration bins). The results
+    are written before any plot is drawn, so that a failing plot never costs them; without
+    matplotlib the plots are skipped with a warning (:data:`PLOTS_SKIPPED`). Plots of
     :data:`PLOT_FILES` this call does not draw are removed from ``out_dir``: left from an earlier
     run into the same directory, they would pass for results of this one.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written: dict[str, Path] = {}
-    if plots:
-        written["tokens_plot"] = plot_tokens_vs_budget(rows, out / PLOT_FILES["tokens_plot"])
-        written["vsr_plot"] = plot_vsr_vs_extra(rows, out / PLOT_FILES["vsr_plot"])
-        if _reliability_rows(rows):
-            written["reliability_plot"] = plot_reliability(
-                rows, out / PLOT_FILES["reliability_plot"]
-            )
+    kinds = _plot_kinds(rows) if plots and not _warn_if_no_matplotlib() else []
     for kind, name in PLOT_FILES.items():
-        if kind not in written:
+        if kind not in kinds:
             (out / name).unlink(missing_ok=True)
-    json_path = out / "results.json"
-    json_path.write_text(json.dumps(results_json(rows, meta), indent=2, default=_json_default))
-    written["json"] = json_path
-    md_path = out / "report.md"
-    names = [p.name for key, p in written.items() if key.endswith("plot")]
-    md_path.write_text(markdown_report(rows, meta, names))
-    written["markdown"] = md_path
+    written = {"json": out / "results.json", "markdown": out / "report.md"}
+    written["json"].write_text(
+        json.dumps(results_json(rows, meta), indent=2, default=_json_default)
+    )
+    written["markdown"].write_text(markdown_report(rows, meta, [PLOT_FILES[k] for k in kinds]))
+    for kind in kinds:
+        written[kind] = _PLOTTERS[kind](rows, out / PLOT_FILES[kind])
     return written
+
+
+def _plot_kinds(rows: Sequence[ResultRow]) -> list[str]:
+    """The :data:`PLOT_FILES` kinds :func:`write_report` draws for ``rows``."""
+    reliability = ["reliability_plot"] if _reliability_rows(rows) else []
+    return ["tokens_plot", "vsr_plot", *reliability]
+
+
+_PLOTTERS = {
+    "tokens_plot": plot_tokens_vs_budget,
+    "vsr_plot": plot_vsr_vs_extra,
+    "reliability_plot": plot_reliability,
+}
+
+
+PLOTS_SKIPPED = "matplotlib is not installed; skipping plots (pip install 'specselect[plot]')"
+"""What a report (or ``specselect profile``) says when it cannot draw its plots."""
+
+
+def matplotlib_missing() -> bool:
+    """Whether matplotlib cannot be imported (plots need it; everything else does not)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+def _warn_if_no_matplotlib() -> bool:
+    """:func:`matplotlib_missing`, with the one warning of :data:`PLOTS_SKIPPED` if so."""
+    missing = matplotlib_missing()
+    if missing:
+        warnings.warn(PLOTS_SKIPPED, RuntimeWarning, stacklevel=3)
+    return missing
 
 
 def _json_default(value: Any) -> str:

@@ -11,6 +11,7 @@ The top-``C`` kernel that budgeted selectors run lives in :mod:`specselect.topc`
 from __future__ import annotations
 
 import abc
+import inspect
 import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -472,8 +473,23 @@ class Selector(abc.ABC):
         return {}
 
     def __repr__(self) -> str:
-        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{type(self).__name__}({params})"
+        """The constructor's arguments as this selector holds them, compactly (an object by
+        its class, a cost model by what it is, not its samples); never its internal state
+        (``capture_token``, per-request windows): one short line for a log or a report."""
+        held = vars(self)
+        params = inspect.signature(type(self)).parameters
+        shown = ", ".join(f"{p}={_short_repr(held[p])}" for p in params if p in held)
+        return f"{type(self).__name__}({shown})"
+
+
+def _short_repr(value: object) -> str:
+    """A plain value as itself; a cost model as its one-line description; another object
+    (an estimator, a guard) as its class."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return repr(value)
+    if isinstance(value, CostModel):
+        return f"<CostModel: {value.describe()}>"
+    return f"<{type(value).__name__}>"
 
 
 def _check_accepted_nodes(

@@ -68,7 +68,7 @@ from specselect.hf.draft import ChainDrafter
 from specselect.hf.graphs import Mode, StageRunner, bucket_for, emulating_on_cpu
 from specselect.hf.memory import CacheNeed, check_memory
 from specselect.hf.options import UNSET, GenerationOptions, resolve_options
-from specselect.hf.state import GenerationState, GenerationStats, Layout, PhaseClock
+from specselect.hf.state import CacheFull, GenerationState, GenerationStats, Layout, PhaseClock
 from specselect.hf.steps import PHASES, ChainStep, Step, TreeStep
 from specselect.hf.tree_draft import TreeDrafter
 from specselect.metrics import Totals
@@ -322,20 +322,34 @@ def check_prompts(
             "not a mask)"
         )
     ids, mask = ids.to(target.device, torch.int64), mask.to(target.device, torch.int64)
-    if inferred and not bool(mask[:, -1].all()):
-        raise ValueError(
-            f"attention_mask is None, so it is inferred from pad_token_id={mask_pad_token_id} as "
-            "generate() does, but some row of input_ids ends with that id (right padding?): "
-            "left-pad the prompts and pass attention_mask"
-        )
     if not bool(mask[:, -1].all()):
-        raise ValueError(
-            "attention_mask must be left-padded: the last column of every row must be 1 "
-            "(set tokenizer.padding_side = 'left')"
-        )
+        raise ValueError(_unpadded_reason(mask, mask_pad_token_id if inferred else None))
     if not bool(((ids >= 0) & (ids < target.vocab)).all()):
         raise ValueError(f"input_ids must be token ids in [0, {target.vocab})")
     return ids, mask
+
+
+def _unpadded_reason(mask: Tensor, inferred_from: int | None) -> str:
+    """Why some row of ``mask`` (``[B, P]`` 0/1) does not end in a 1, for its error: an empty
+    row (no prompt at all), a mask inferred from a pad id that ends a row, or right padding.
+    Read only once the check has failed."""
+    empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()  # the empty rows
+    if empty:
+        source = "given" if inferred_from is None else f"inferred from pad_token_id={inferred_from}"
+        return (
+            f"prompt row {empty[0]} is empty: its attention_mask ({source}) is all 0; every row "
+            "needs at least one prompt token"
+        )
+    if inferred_from is not None:
+        return (
+            f"attention_mask is None, so it is inferred from pad_token_id={inferred_from} as "
+            "generate() does, but some row of input_ids ends with that id (right padding?): "
+            "left-pad the prompts and pass attention_mask"
+        )
+    return (
+        "attention_mask must be left-padded: the last column of every row must be 1 "
+        "(set tokenizer.padding_side = 'left')"
+    )
 
 
 def split_generator(
@@ -434,8 +448,26 @@ class _Loop:
         workspace = self._workspace(input_ids)
         try:
             return self._generate(workspace, input_ids, attention_mask, progress)
+        except CacheFull as full:
+            raise RuntimeError(self._slack_advice(full, *input_ids.shape)) from None
         finally:
             workspace.lock.release()
+
+    def _slack_advice(self, full: CacheFull, batch: int, prompt: int) -> str:
+        """Why a step did not fit, and the ``cache_slack`` that would have held it.
+
+        No minimum can be checked before the call: a step writes ``k + 1`` columns (more for a
+        tree) beside the row holding the most, so what it needs depends on the window the
+        selector chooses per step and on how far apart the rows have drifted (``0`` fits a
+        call whose rows keep pace; the first step always fits).
+        """
+        reserved = self._layout(batch, prompt, self.mode != "eager").capacity - self.slack
+        return (
+            f"cache_slack={self.slack} is too small for this call: a step needed {full.columns} "
+            f"cache columns per row, the caches hold {full.capacity}; pass cache_slack >= "
+            f"{full.columns - reserved} (the default, {DEFAULT_CACHE_SLACK}, holds chains of "
+            "several dozen drafts)"
+        )
 
     def _generate(
         self, workspace: _Workspace, input_ids: Tensor, attention_mask: Tensor, progress: bool

@@ -189,6 +189,23 @@ class Layout:
         )
 
 
+class CacheFull(RuntimeError):
+    """A step needs more cache columns per row than the caches hold, even after compaction
+    (``speculative_generate`` says which ``cache_slack`` would have held it).
+
+    Attributes:
+        columns: the columns per row the step needed.
+        capacity: the columns per row the caches hold.
+    """
+
+    def __init__(self, columns: int, capacity: int) -> None:
+        super().__init__(
+            f"a step needs {columns} cache columns per row, more than the {capacity} the caches "
+            "hold after compaction: pass a larger cache_slack"
+        )
+        self.columns, self.capacity = columns, capacity
+
+
 class GenerationState:
     """Everything a generation holds (see the module doc): buffers allocated once for a
     :class:`Layout`, and per-call state set by :meth:`start`.
@@ -433,10 +450,7 @@ class GenerationState:
                 continue
             used = max(counts[slot] for slot in keep)
             if used + width > cache.capacity:
-                raise RuntimeError(
-                    f"a step needs {width} more cache columns than the {cache.capacity - used} "
-                    "left after compaction: pass a larger cache_slack"
-                )
+                raise CacheFull(used + width, cache.capacity)
             rows = _indices(keep, cache.count.device)
             if index == 0:
                 cache.compact(rows, used)
@@ -484,4 +498,12 @@ def _indices(values: list[int], device: torch.device) -> Tensor:  # -> [len] int
     return host.pin_memory().to(device, non_blocking=True)
 
 
-__all__ = ["REPORT_ROWS", "Buffers", "GenerationState", "GenerationStats", "Layout", "PhaseClock"]
+__all__ = [
+    "REPORT_ROWS",
+    "Buffers",
+    "CacheFull",
+    "GenerationState",
+    "GenerationStats",
+    "Layout",
+    "PhaseClock",
+]

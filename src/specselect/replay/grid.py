@@ -7,6 +7,7 @@ over ``k`` / ``extra`` / ``budget`` grids into :class:`SelectorConfig` s, and
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -102,7 +103,9 @@ def selector_grid(
     model. ``"oracle"`` is accepted besides the registry names, and a name may carry
     an acceptance estimator for selectors that take one: ``"tetris+calibrated"``,
     ``"tetris+history"`` (TETRIS's default), ``"tetris+none"`` (the paper: no estimator, no
-    guard); see :func:`~specselect.registry.parse_spec`.
+    guard); see :func:`~specselect.registry.parse_spec`. Specs that configure the same selector
+    (``"tetris"`` and ``"tetris+choice"``, its default estimator) give one set of
+    configurations, under the first spelling, as repeated grid values give one.
 
     Raises:
         ValueError: unknown selector name or estimator, an estimator for a selector that takes
@@ -122,13 +125,17 @@ def selector_grid(
         raise ValueError("the k and extra grids must not be empty")
     configs: list[SelectorConfig] = []
     seen: set[tuple[Any, ...]] = set()
+    resolved: list[tuple[type[Selector], dict[str, Any]]] = []  # of the specs kept
     for name in names:
         base, estimator = parse_spec(name)
         cls = _selector_class(base)
         try:
-            cls.spec_kwargs(estimator, None)
+            spec = (cls, _spec_arguments(cls, cls.spec_kwargs(estimator, None)))
         except ValueError as exc:
             raise ValueError(f"selector spec {name!r}: {exc}") from None
+        if spec in resolved:  # another spelling of a spec before it, e.g. tetris+choice
+            continue
+        resolved.append(spec)
         grid_budgets: list[int | str | None] = [None, *budgets]
         for k in ks:
             for extra in extras:
@@ -143,6 +150,17 @@ def selector_grid(
                         seen.add(key)
                         configs.append(SelectorConfig(name, k, key[2], budget, kwargs))
     return configs
+
+
+def _spec_arguments(cls: type[Selector], spec_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments with defaults of ``cls``'s constructor as a spec sets them (the defaults
+    where it sets none): two specs configure the same selector iff these are equal."""
+    params = inspect.signature(cls).parameters
+    return {
+        name: spec_kwargs.get(name, param.default)
+        for name, param in params.items()
+        if param.default is not param.empty
+    }
 
 
 def compare_replay(

@@ -168,29 +168,40 @@ def load_traces(path: str | Path) -> Traces:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file is not a specselect trace file of a supported version.
+        ValueError: the file is not a specselect trace file of a supported version (the
+            message names the file and what was expected, never torch's advice to unpickle
+            it unsafely).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace file {str(path)!r} does not exist")
+    not_traces = ValueError(
+        f"{str(path)!r} is not a specselect trace file (expected one written by "
+        "specselect.replay.save_traces or specselect compare --traces)"
+    )
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for corrupt or foreign files
-        raise ValueError(f"{str(path)!r} is not a readable trace file: {exc}") from None
+    except Exception:  # torch raises several types for corrupt or foreign files
+        raise not_traces from None
     if not isinstance(payload, dict) or payload.get("format") != TRACE_FORMAT:
-        raise ValueError(f"{str(path)!r} is not a specselect trace file")
+        raise not_traces
     if payload.get("version") != TRACE_VERSION:
         raise ValueError(
             f"{str(path)!r} has trace format version {payload.get('version')!r}; this "
             f"specselect reads version {TRACE_VERSION}"
         )
-    return Traces(
-        prompt_ids=list(payload["prompt_ids"]),
-        output_ids=payload["output_ids"],
-        draft_tokens=payload["draft_tokens"],
-        draft_logprobs=payload["draft_logprobs"],
-        meta=dict(payload["meta"]),
-    )
+    try:
+        return Traces(
+            prompt_ids=list(payload["prompt_ids"]),
+            output_ids=payload["output_ids"],
+            draft_tokens=payload["draft_tokens"],
+            draft_logprobs=payload["draft_logprobs"],
+            meta=dict(payload["meta"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:  # a missing field, a wrong shape
+        raise ValueError(
+            f"{str(path)!r} is a damaged specselect trace file ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def traces_summary(traces: Traces) -> dict[str, Any]:
