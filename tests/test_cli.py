@@ -256,6 +256,22 @@ def test_compare_live_mode(live_run: dict) -> None:
     assert "measured" in live_run["stdout"]
 
 
+def test_compare_live_names_what_the_models_cannot_serve(
+    model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call the live loop refuses up front (here: caches beyond the memory left) is a usage
+    error naming the reason, not a traceback."""
+    pytest.importorskip("specselect.hf")
+    from specselect.hf import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1)
+    argv = ["compare", *model_args(model_dirs), "--out", str(tmp_path), "--mode", "live"]
+    code, _, stderr = run_main([*argv, "--k", "2", "--extra", "1", "--limit", "2", "--quiet"])
+    assert code == 2
+    assert "specselect compare: error: speculative_generate with" in stderr
+    assert "GiB is available" in stderr and "Traceback" not in stderr
+
+
 def test_live_tree_rows_once_per_budget(live_run: dict) -> None:
     """Tree mode ignores ``extra``: one tree row per selector and k, with extra shown as '-'."""
     trees = [r for r in live_run["rows"] if "tree(" in r["selector"]]

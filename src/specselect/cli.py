@@ -810,9 +810,12 @@ def _compare(args: argparse.Namespace) -> int:
     if args.mode == "live":
         if inputs is None:  # obtain_traces loads the models for live runs
             raise UsageError("--mode live needs the models")
-        rows = compare_live(
-            inputs.target, inputs.draft, traces, configs, args.slots, cost_model, args.tree
-        )
+        try:
+            rows = compare_live(
+                inputs.target, inputs.draft, traces, configs, args.slots, cost_model, args.tree
+            )
+        except ValueError as exc:  # what the models cannot serve (positions, memory), named
+            raise UsageError(str(exc)) from None
     else:
         replayed = compare_replay(traces, configs, args.slots, cost_model, progress=not args.quiet)
         rows = [ResultRow.replayed(config, result) for config, result in replayed]
