@@ -129,3 +129,23 @@ def test_repr_is_the_constructor_arguments_in_short(name: str) -> None:
     assert text.startswith(f"{cls.__name__}(") and len(text) < 200, text
     assert "capture_token" not in text and " at 0x" not in text, text
     assert all(f"{key}={value!r}" in text for key, value in kwargs.items()), text
+
+
+class _NeedsEstimator(SELECTORS["threshold"]):  # type: ignore[misc,valid-type]
+    """A selector whose spec sets one of its required arguments (none shipped does)."""
+
+    def __init__(self, max_k: int, threshold: float, estimator: object) -> None:
+        super().__init__(max_k, threshold, estimator=estimator)  # type: ignore[arg-type]
+
+
+def test_make_selector_hint_leaves_out_what_the_spec_sets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The "e.g." call of a missing-argument error works when followed: it does not name the
+    spec's own arguments, which would be refused as already set."""
+    monkeypatch.setitem(SELECTORS, "needy", _NeedsEstimator)
+    with pytest.raises(TypeError) as error:
+        make_selector("needy+none", max_k=3)
+    hint = "make_selector('needy+none', max_k=..., threshold=...)"
+    assert str(error.value) == f"selector 'needy+none' needs threshold, e.g. {hint}"
+    assert make_selector("needy+none", max_k=3, threshold=0.5).estimator is None

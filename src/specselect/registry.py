@@ -65,11 +65,12 @@ def make_selector(name: str, **kwargs: Any) -> Selector:
         if param.default is param.empty
         and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
     ]
-    missing = [p for p in required if p not in kwargs and p not in spec]
+    to_pass = [p for p in required if p not in spec]  # the spec's are set; passing them clashes
+    missing = [p for p in to_pass if p not in kwargs]
     if missing:
         raise TypeError(
             f"selector {name!r} needs {', '.join(missing)}, e.g. "
-            f"make_selector({name!r}, {', '.join(f'{p}=...' for p in required)})"
+            f"make_selector({name!r}, {', '.join(f'{p}=...' for p in to_pass)})"
         )
     return cls(**spec, **kwargs)
 
