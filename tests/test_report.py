@@ -108,6 +108,36 @@ def test_summary_names_configurations_correctly() -> None:
     assert "Highest goodput: a k=2 extra=1 = b k=2 (" in _summary_lines(tied)[0]
 
 
+def spending(verified: int, emitted: int) -> Totals:
+    """Totals over 10 request-steps: ``verified / 10`` draft tokens verified per request-step."""
+    return Totals(steps=5, active=10, verified=verified, accepted=emitted - 10, emitted=emitted)
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        (  # fixed SD spent 1.8 < k: a row at 1.9 spent more, though not more than k
+            [
+                row("fixed", 2, None, spending(18, 25)),
+                row("tetris", 2, 1, spending(19, 30)),
+                row("dsd", 2, 1, spending(18, 27)),
+            ],
+            "Most tokens/step within fixed SD's spend (1.800 verified per request-step): "
+            "dsd k=2 extra=1 (2.700, +8.0%).",
+        ),
+        ([row("tetris", 2, 1, spending(10, 30))], None),  # no fixed SD: no spend to compare
+    ],
+)
+def test_summary_compares_spend_with_what_fixed_sd_spent(
+    rows: list[ResultRow], expected: str | None
+) -> None:
+    summary = " ".join(_summary_lines(rows))
+    if expected is None:
+        assert "Most tokens/step" not in summary
+    else:
+        assert expected in summary
+
+
 def test_budget_column_only_with_budgets() -> None:
     rows = grid_rows()
     for table in (format_table(rows), markdown_table(rows)):

@@ -268,9 +268,12 @@ def results_json(rows: Sequence[ResultRow], meta: dict[str, Any]) -> dict[str, A
     }
 
 
-def _within_budget(row: ResultRow) -> bool:
-    """Did the row spend at most ``k`` verified tokens per request-step (fixed SD's budget)?"""
-    return row.totals.verified_per_request_step <= row.k + 1e-9
+def _within_spend(row: ResultRow, base: ResultRow) -> bool:
+    """Did ``row`` verify at most as many tokens per request-step as fixed SD (``base``)
+    actually did? Not its nominal ``k``: fixed SD verifies fewer where a request has fewer than
+    ``k`` tokens left, so a row between the two spent more than the baseline it is ranked
+    against. (The tolerance absorbs float rounding of equal spends.)"""
+    return row.totals.verified_per_request_step <= base.totals.verified_per_request_step + 1e-9
 
 
 def _best(rows: Sequence[ResultRow], metric: str) -> list[ResultRow]:
@@ -285,11 +288,12 @@ def _labels(rows: Sequence[ResultRow]) -> str:
 
 
 def _summary_lines(rows: Sequence[ResultRow]) -> list[str]:
-    """Per ``k``: fixed SD, the best goodput, the best within fixed SD's budget, the oracle.
+    """Per ``k``: fixed SD, the best goodput, the best within fixed SD's spend, the oracle.
 
     Tokens per step are only comparable at equal spend, so the "most tokens per step" pick is
-    restricted to rows that verified at most ``k`` tokens per request-step; goodput already
-    charges for what was spent, so it is compared across all rows.
+    restricted to rows that verified at most as many tokens per request-step as fixed SD did
+    (and made only when there is a fixed SD row to compare with); goodput already charges for
+    what was spent, so it is compared across all rows.
     """
     rows = merge_extra_repeats(rows)  # name "dsd k=2", not an arbitrary one of equal extras
     lines = []
@@ -304,13 +308,14 @@ def _summary_lines(rows: Sequence[ResultRow]) -> list[str]:
             best_gp = _best(real, "goodput")
             rel = relative_to_baseline(best_gp[0], rows)["goodput"]
             parts.append(f"Highest goodput: {_labels(best_gp)} ({_pct(rel) or 'n/a'} vs fixed).")
-        frugal = [r for r in real if _within_budget(r)]
-        if frugal:
+        frugal = [] if base is None else [r for r in real if _within_spend(r, base)]
+        if frugal and base is not None:
             best = _best(frugal, "tokens_per_step")
             rel = relative_to_baseline(best[0], rows)["tokens_per_step"]
             parts.append(
-                f"Most tokens/step within fixed SD's budget: {_labels(best)} "
-                f"({best[0].totals.tokens_per_step:.3f}, {_pct(rel) or 'n/a'})."
+                f"Most tokens/step within fixed SD's spend "
+                f"({base.totals.verified_per_request_step:.3f} verified per request-step): "
+                f"{_labels(best)} ({best[0].totals.tokens_per_step:.3f}, {_pct(rel) or 'n/a'})."
             )
         oracle = [r for r in group if r.selector == ORACLE and r.budget is None]
         if oracle:
