@@ -6,6 +6,8 @@ import contextlib
 import io
 import json
 import os
+import re
+import shlex
 import shutil
 import string
 import subprocess
@@ -305,6 +307,7 @@ def test_live_oracle_replays_static_batches(live_run: dict) -> None:
     [
         (".txt", "a\n\n b \n", ["a", " b "]),
         (".jsonl", '{"text": "x = 1"}\n\n{"text": "y", "kind": "code"}\n', ["x = 1", "y"]),
+        (".JSONL", '{"text": "x = 1"}\n', ["x = 1"]),  # not the JSON line as a prompt
     ],
 )
 def test_read_prompts(tmp_path: Path, suffix: str, content: str, expected: list[str]) -> None:
@@ -319,6 +322,7 @@ def _bad_inputs(dirs: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
     (tmp / "binary.txt").write_bytes(b"\xff\xfe\xfa prompt")
     (tmp / "broken.jsonl").write_text('{"text": "ok"}\n{not json\n', encoding="utf-8")
     (tmp / "notext.jsonl").write_text('{"prompt": "x"}\n', encoding="utf-8")
+    (tmp / "prompts.JSON").write_text('{"text": "x"}\n', encoding="utf-8")
     (tmp / "noconfig").mkdir()
     torch.save({"weights": torch.zeros(1)}, tmp / "other.pt")
     models = ["--target", str(dirs["target"]), "--draft", str(dirs["draft"])]
@@ -339,6 +343,10 @@ def _bad_inputs(dirs: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
         "unreadable prompts": ([*models, "--prompts", str(tmp / "binary.txt")], "cannot read"),
         "bad jsonl": ([*models, "--prompts", str(tmp / "broken.jsonl")], ":2: not valid JSON"),
         "jsonl without text": ([*models, "--prompts", str(tmp / "notext.jsonl")], "'text'"),
+        "json prompts": (
+            [*models, "--prompts", str(tmp / "prompts.JSON")],
+            "a .json file is not a prompts file; expected .txt (one prompt per line) or .jsonl",
+        ),
         "unknown selector": (
             [*models, *prompts, "--selectors", "tetris,nope"],
             "unknown selector 'nope'",
@@ -384,6 +392,7 @@ BAD_CASES = [
     "unreadable prompts",
     "bad jsonl",
     "jsonl without text",
+    "json prompts",
     "unknown selector",
     "k zero",
     "k not int",
@@ -544,22 +553,29 @@ def test_unwritable_directory_says_so(tmp_path: Path, argv: list[str], message: 
     assert code == 2 and message in stderr, stderr
 
 
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("cuda", "CUDA is not available"),
+        ("meta", "meta tensors hold no values"),
+        ("xla", "is not usable (PyTorch is not linked with support for xla devices)"),
+        ("xpu", "xpu is not available"),
+    ],
+)
 def test_unavailable_device_is_a_usage_error(
-    model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_dirs: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    device: str,
+    message: str,
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    code, stdout, stderr = run_main(
-        [
-            "compare",
-            *model_args(model_dirs),
-            "--device",
-            "cuda",
-            "--out",
-            str(tmp_path),
-        ]
-    )
+    if device == "xpu":  # a backend with is_available(), whatever this machine has
+        monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
+    argv = ["compare", *model_args(model_dirs), "--device", device, "--out", str(tmp_path)]
+    code, stdout, stderr = run_main(argv)
     assert code == 2 and "Traceback" not in stderr + stdout
-    assert stderr.count("\n") == 1 and "--device 'cuda'" in stderr
+    assert stderr.count("\n") == 1 and f"--device {device!r}" in stderr and message in stderr
 
 
 def test_rerun_removes_stale_plots(compare_run: dict, tmp_path: Path) -> None:
@@ -871,6 +887,7 @@ def test_profile_on_the_shipped_pair(tmp_path: Path) -> None:
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--cuda-graphs"], "--cuda-graphs needs a CUDA --device, got 'cpu'"),
         (["--device", "cuda:7"], "--device 'cuda:7'"),
+        (["--device", "meta"], "--device 'meta': meta tensors hold no values"),
         (["--target", "nowhere"], "--target and --draft go together"),
         (["--dtype", "int8"], "invalid choice"),
         (["--statistic", "mean"], "invalid choice"),
@@ -889,3 +906,93 @@ def test_profile_bad_input_exits_2_without_traceback(
 def test_profile_out_must_be_a_file(tmp_path: Path) -> None:
     code, _, stderr = run_main(["profile", "--out", str(tmp_path)])
     assert code == 2 and "is a directory; name the JSON file" in stderr
+
+
+@pytest.mark.parametrize("name", ["cost.png", "cost.PNG"])
+def test_profile_refuses_out_where_its_plot_goes(tmp_path: Path, name: str) -> None:
+    """The plot is written next to --out with the suffix .png: an --out ending so would be
+    overwritten by it, so it is refused before any timing."""
+    out = tmp_path / name
+    code, stdout, stderr = run_main(["profile", "--out", str(out), "--quiet", *PROFILE_GRID])
+    assert code == 2 and "Traceback" not in stderr + stdout
+    assert f"--out {str(out)!r} ends in .png, the suffix of the plot" in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("recorded_device", [True, False])
+def test_replay_records_the_traces_device_and_dtype(
+    compare_run: dict, tmp_path: Path, recorded_device: bool
+) -> None:
+    """Replaying --traces alone loads no model, so --device/--dtype did not apply: the Setup
+    says what the traces were recorded with (no device for traces that do not say), and its
+    command re-runs as it was given, spaces in paths included."""
+    traces = load_traces(compare_run["out"] / "traces.pt")
+    assert traces.meta["device"] == "cpu"
+    if not recorded_device:  # traces from before the device was recorded
+        meta = {key: value for key, value in traces.meta.items() if key != "device"}
+        traces = replace(traces, meta=meta)
+    path = save_traces(traces, tmp_path / "old traces.pt")
+    out = tmp_path / "out dir"
+    code, _, stderr = _reuse(
+        compare_run, out, "--dtype", "bfloat16", "--device", "cuda:3", traces=path
+    )
+    assert code == 0, stderr
+    meta = json.loads((out / "results.json").read_text())["meta"]
+    assert meta["dtype"] == "float32" == meta["models"]["target"]["dtype"]
+    assert meta.get("device") == ("cpu" if recorded_device else None)
+    report = (out / "report.md").read_text().split("## Setup")[1]
+    setup = dict(re.findall(r"^- \*\*(\w+)\*\*: (.*)$", report, flags=re.MULTILINE))
+    assert setup["dtype"] == "float32"
+    assert setup.get("device") == ("cpu" if recorded_device else None)
+    argv = shlex.split(meta["command"])
+    assert argv[0] == "specselect" and main(argv[1:]) == 0  # the recorded command re-runs
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_live_progress_follows_quiet(
+    compare_run: dict,
+    model_dirs: dict[str, Path],
+    tmp_path: Path,
+    quiet: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--mode live hands compare_live a progress bar unless --quiet."""
+    pytest.importorskip("specselect.hf")
+    calls: list[object] = []
+
+    def spy(*args: object, progress: bool) -> list[ResultRow]:
+        calls.append(progress)
+        raise KeyboardInterrupt  # enough seen: no need to run the models
+
+    monkeypatch.setattr(cli, "compare_live", spy)
+    argv = ["compare", "--traces", str(compare_run["out"] / "traces.pt"), "--out", str(tmp_path)]
+    argv += [*model_args(model_dirs), "--limit", "4", "--max-new-tokens", "10", "--mode", "live"]
+    argv += ["--k", "1", "--extra", "1"]  # what the traces hold
+    with pytest.raises(KeyboardInterrupt):
+        run_main([*argv, *(["--quiet"] if quiet else [])])
+    assert calls == [not quiet]
+
+
+def test_compare_live_progress_bar_counts_batches(
+    compare_run: dict, model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One bar over every live run's batches (chains and trees), none for the oracle."""
+    pytest.importorskip("specselect.hf")
+    from transformers import AutoModelForCausalLM
+
+    from specselect import TreeSpec
+    from specselect.replay import compare_live
+
+    target, draft = (
+        AutoModelForCausalLM.from_pretrained(model_dirs[name]).eval()
+        for name in ("target", "draft")
+    )
+    traces = load_traces(compare_run["out"] / "traces.pt")  # 4 requests: 2 batches of 2
+    configs = selector_grid(["tetris", "oracle"], [1], [1, 2])  # tetris chains at 2 extras
+    capsys.readouterr()
+    rows = compare_live(target, draft, traces, configs, 2, tree=TreeSpec(2, 2, 1), progress=True)
+    bar = capsys.readouterr().err
+    assert len(rows) == 5  # 2 chains, 1 tree (once per name and k), 2 oracles
+    assert "live" in bar and "6/6" in bar and "7/6" not in bar
+    compare_live(target, draft, traces, configs[:1], 2)
+    assert capsys.readouterr().err == ""  # progress is off by default

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -54,6 +55,8 @@ from specselect.selectors.goodput import GOODPUT
 EXIT_USAGE = 2
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SHIPPED = "shipped tiny pair"
+PLOT_SUFFIX = ".png"
+"""``profile`` writes its plot next to ``--out``, with this suffix."""
 SEED_RANGE = (-(2**63), 2**64 - 1)
 """What ``torch.manual_seed`` accepts; anything else overflows inside torch."""
 
@@ -214,8 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts",
         metavar="FILE",
         type=Path,
-        help=".txt (one prompt per line) or .jsonl (objects with a 'text' field) "
-        "(default: the shipped prompts)",
+        help=".jsonl (objects with a 'text' field, suffix in any case) or .txt (one prompt per "
+        "line; so is any other suffix but .json, which is refused) (default: the shipped prompts)",
     )
     models.add_argument(
         "--limit",
@@ -432,8 +435,8 @@ def _add_profile_parser(commands: Any) -> None:
         metavar="FILE",
         type=Path,
         default=Path("cost.json"),
-        help="the cost model's JSON file; the plot goes next to it with the suffix .png "
-        "(default: %(default)s)",
+        help="the cost model's JSON file (not ending in .png: the plot goes next to it with the "
+        "suffix .png) (default: %(default)s)",
     )
     profile.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
     profile.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -446,7 +449,17 @@ def _add_profile_parser(commands: Any) -> None:
 
 
 def read_prompts(path: Path) -> list[str]:
-    """Prompts from ``path``: ``.jsonl`` objects with a ``text`` field, else one per line."""
+    """Prompts from ``path``: ``.jsonl`` objects with a ``text`` field, else one per line.
+
+    The suffix is compared case-insensitively, and ``.json`` is refused: read as text, each
+    JSON line would silently become a prompt verbatim, and a JSON document is not JSONL.
+    """
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        raise UsageError(
+            f"--prompts {str(path)!r}: a .json file is not a prompts file; expected .txt (one "
+            "prompt per line) or .jsonl (one object with a 'text' field per line)"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -454,7 +467,7 @@ def read_prompts(path: Path) -> list[str]:
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read prompts file {str(path)!r}: {exc}") from None
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if path.suffix == ".jsonl":
+    if suffix == ".jsonl":
         prompts = [_jsonl_text(path, n, line) for n, line in lines]
     else:
         prompts = [line for _, line in lines]
@@ -520,8 +533,34 @@ def check_device(device: str) -> None:
             raise UsageError(
                 f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible"
             )
-    if parsed.type == "mps" and not torch.backends.mps.is_available():
-        raise UsageError(f"--device {device!r}: MPS is not available; use --device cpu")
+    elif parsed.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise UsageError(f"--device {device!r}: MPS is not available; use --device cpu")
+    elif parsed.type == "meta":
+        raise UsageError(
+            f"--device {device!r}: meta tensors hold no values, so no model can run on it; "
+            "use --device cpu"
+        )
+    elif parsed.type != "cpu":
+        _check_other_device(device, parsed)
+
+
+def _check_other_device(device: str, parsed: torch.device) -> None:
+    """A device type this module has no special case for: its torch backend's
+    ``is_available()`` when it has one, then a one-element move there, as the models are
+    moved, which raises for a type this torch build does not support (``xla`` without
+    torch_xla)."""
+    backend = getattr(torch, parsed.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if callable(is_available) and not is_available():
+        raise UsageError(f"--device {device!r}: {parsed.type} is not available; use --device cpu")
+    try:
+        torch.zeros(1).to(parsed)  # [1]
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(
+            f"--device {device!r} is not usable ({reason}); use --device cpu"
+        ) from None
 
 
 def load_inputs(args: argparse.Namespace) -> Inputs:
@@ -632,7 +671,7 @@ def obtain_traces(args: argparse.Namespace, max_k: int) -> tuple[Traces, Inputs 
         args.max_new_tokens,
         max_k,
         progress=not args.quiet,
-        meta={"source": inputs.source},
+        meta={"source": inputs.source, "device": args.device},
     )
     option, target = ("--traces", path) if path is not None else ("--out", args.out / "traces.pt")
     try:
@@ -756,11 +795,18 @@ def run_compare(args: argparse.Namespace) -> int:
     torch's CPU threads (``--threads``) and, with ``--quiet``, transformers' progress bars are
     set for the run only: a caller of :func:`main` gets its own settings back.
     """
+    with _run_settings(args):
+        return _compare(args)
+
+
+@contextlib.contextmanager
+def _run_settings(args: argparse.Namespace) -> Iterator[None]:
+    """``--threads`` and ``--quiet``'s silence of transformers' bars, for the block only."""
     with contextlib.ExitStack() as settings:
         settings.enter_context(_torch_threads(args.threads))
         if args.quiet:
             settings.enter_context(_no_transformers_progress_bars())
-        return _compare(args)
+        yield
 
 
 @contextlib.contextmanager
@@ -812,14 +858,21 @@ def _compare(args: argparse.Namespace) -> int:
             raise UsageError("--mode live needs the models")
         try:
             rows = compare_live(
-                inputs.target, inputs.draft, traces, configs, args.slots, cost_model, args.tree
+                inputs.target,
+                inputs.draft,
+                traces,
+                configs,
+                args.slots,
+                cost_model,
+                args.tree,
+                progress=not args.quiet,
             )
         except ValueError as exc:  # what the models cannot serve (positions, memory), named
             raise UsageError(str(exc)) from None
     else:
         replayed = compare_replay(traces, configs, args.slots, cost_model, progress=not args.quiet)
         rows = [ResultRow.replayed(config, result) for config, result in replayed]
-    meta = _meta(args, traces, cost_model, time.perf_counter() - began)
+    meta = _meta(args, traces, inputs is not None, cost_model, time.perf_counter() - began)
     try:
         written = write_report(rows, args.out, meta, plots=_draw_plots(args))
     except OSError as exc:
@@ -833,9 +886,13 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _meta(args: argparse.Namespace, traces: Traces, cost: CostModel, seconds: float) -> dict:
+def _meta(
+    args: argparse.Namespace, traces: Traces, loaded: bool, cost: CostModel, seconds: float
+) -> dict:
+    """What results.json and the report's Setup record of the run (``loaded``: whether this
+    run loaded the models, rather than replaying ``--traces`` alone)."""
     return {
-        "command": " ".join(["specselect", *args.argv]),
+        "command": shlex.join(["specselect", *args.argv]),
         "mode": args.mode,
         "slots": args.slots,
         "max_new_tokens": args.max_new_tokens,
@@ -843,8 +900,7 @@ def _meta(args: argparse.Namespace, traces: Traces, cost: CostModel, seconds: fl
         "extra": args.extra,
         "budget": args.budget,
         "seed": args.seed,
-        "device": args.device,
-        "dtype": args.dtype,
+        **_models_setup(args, traces, loaded),
         "threads": torch.get_num_threads(),
         "cost_model": cost.summary(),
         "traces": traces_summary(traces),
@@ -853,6 +909,19 @@ def _meta(args: argparse.Namespace, traces: Traces, cost: CostModel, seconds: fl
         "eos": "ignored: every request runs to max_new_tokens",
         "wall_seconds": round(seconds, 2),
     }
+
+
+def _models_setup(args: argparse.Namespace, traces: Traces, loaded: bool) -> dict[str, str]:
+    """``device`` and ``dtype`` of the models: this run's when it loaded them, else what the
+    traces recorded (``--device``/``--dtype`` did not apply), left out where they do not say."""
+    if loaded:
+        return {"device": args.device, "dtype": args.dtype}
+    target = traces.meta.get("target")
+    recorded = {
+        "device": traces.meta.get("device"),
+        "dtype": target.get("dtype") if isinstance(target, dict) else None,
+    }
+    return {key: str(value) for key, value in recorded.items() if value is not None}
 
 
 def _cost_model(args: argparse.Namespace) -> CostModel:
@@ -891,11 +960,13 @@ def run_profile(args: argparse.Namespace) -> int:
         raise UsageError(f"--cuda-graphs needs a CUDA --device, got {args.device!r}")
     if args.out.is_dir():
         raise UsageError(f"--out {str(args.out)!r} is a directory; name the JSON file to write")
+    if args.out.suffix.lower() == PLOT_SUFFIX:  # before the timing: it would be lost
+        raise UsageError(
+            f"--out {str(args.out)!r} ends in {PLOT_SUFFIX}, the suffix of the plot written next "
+            "to it, which would overwrite the cost model; name the JSON file (e.g. cost.json)"
+        )
     check_writable_dir(f"--out {str(args.out)!r}", args.out.parent)
-    with contextlib.ExitStack() as settings:
-        settings.enter_context(_torch_threads(args.threads))
-        if args.quiet:
-            settings.enter_context(_no_transformers_progress_bars())
+    with _run_settings(args):
         target, draft = _shipped(args)[:2] if args.target is None else _from_dirs(args)[:2]
         try:
             model = CostModel.measure(
@@ -916,7 +987,7 @@ def run_profile(args: argparse.Namespace) -> int:
     written = {"json": model.save(args.out)}
     model = CostModel.load(written["json"])  # what compare --cost-model will read
     if _draw_plots(args):
-        written["plot"] = plot_cost_model(model, args.out.with_suffix(".png"))
+        written["plot"] = plot_cost_model(model, args.out.with_suffix(PLOT_SUFFIX))
     print(format_cost_model(model))
     print()
     for kind, path in written.items():

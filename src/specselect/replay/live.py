@@ -14,7 +14,7 @@ static batches, so that it bounds the live rows beside it, and its goodput stays
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -51,6 +51,8 @@ def live_totals(
     max_new_tokens: int,
     cost_model: CostModel | None = None,
     tree: TreeSpec | None = None,
+    *,
+    on_batch: Callable[[], object] | None = None,
 ) -> Totals:
     """Run ``speculative_generate`` over the prompts in static batches of ``slots``.
 
@@ -67,6 +69,7 @@ def live_totals(
         max_new_tokens: tokens generated per request.
         cost_model: given to selectors that take one (None: their own default).
         tree: draft-tree shape; None runs chains.
+        on_batch: called after each batch (a progress bar's step).
     """
     from specselect.hf import speculative_generate
 
@@ -91,6 +94,8 @@ def live_totals(
         )
         seconds += time.perf_counter() - began
         steps.extend(output.stats.steps)
+        if on_batch is not None:
+            on_batch()
     return replace(Totals.of(steps), seconds=seconds)
 
 
@@ -115,6 +120,8 @@ def compare_live(
     slots: int,
     cost_model: CostModel | None = None,
     tree: TreeSpec | None = None,
+    *,
+    progress: bool = False,
 ) -> list[ResultRow]:
     """Live rows for every configuration on the traces' prompts; the oracle gets a replay row.
 
@@ -127,26 +134,57 @@ def compare_live(
     one-off initialisation, which would otherwise be charged to the first configuration.
 
     ``cost_model`` is given to selectors that take one (DSD) and prices the oracle's replayed
-    row; None: :func:`~specselect.cost.default_cost_model`.
+    row; None: :func:`~specselect.cost.default_cost_model`. ``progress`` shows a tqdm bar over
+    the live runs' batches (every run's, chains and trees; the oracle's replay is not one).
     """
+    from tqdm.auto import tqdm
+
     cost_model = default_cost_model() if cost_model is None else cost_model
     prompt_ids = list(traces.prompt_ids)
     max_new_tokens = traces.max_new_tokens
     live_totals(target, draft, prompt_ids[:slots], _WARM_UP, slots, _WARM_UP_TOKENS, cost_model)
+    runs = _live_runs(configs, tree)
+    batches = -(-len(prompt_ids) // slots)  # ceil
+    total = batches * sum(config.name != OracleSelector.name for config, _ in runs)
     rows = []
+    with tqdm(total=total, desc="live", unit="batch", disable=not progress, leave=False) as bar:
+        for config, shape in runs:
+            if config.name == OracleSelector.name:
+                rows.append(static_oracle_row(traces, config, slots, cost_model))
+                continue
+            totals = live_totals(
+                target,
+                draft,
+                prompt_ids,
+                config,
+                slots,
+                max_new_tokens,
+                cost_model,
+                shape,
+                on_batch=bar.update,
+            )
+            rows.append(ResultRow(config, totals, MEASURED, tree=shape))
+    return rows
+
+
+def _live_runs(
+    configs: Sequence[SelectorConfig], tree: TreeSpec | None
+) -> list[tuple[SelectorConfig, TreeSpec | None]]:
+    """``(config, tree shape or None for a chain)`` in row order: each configuration, then its
+    tree run when it has one (tree-capable, first of its name, ``k`` and budget). Planned up
+    front so that the progress bar knows its total."""
+    runs: list[tuple[SelectorConfig, TreeSpec | None]] = []
     trees_done: set[tuple[str, int, int | str | None]] = set()
     for config in configs:
-        if config.name == OracleSelector.name:
-            rows.append(static_oracle_row(traces, config, slots, cost_model))
-            continue
-        totals = live_totals(target, draft, prompt_ids, config, slots, max_new_tokens, cost_model)
-        rows.append(ResultRow(config, totals, MEASURED))
+        runs.append((config, None))
         tree_key = (config.name, config.k, config.budget)
-        if tree is None or tree_key in trees_done or not config.build().supports_trees:
+        if (
+            tree is None
+            or config.name == OracleSelector.name
+            or tree_key in trees_done
+            or not config.build().supports_trees
+        ):
             continue
         trees_done.add(tree_key)
-        tree_totals = live_totals(
-            target, draft, prompt_ids, config, slots, max_new_tokens, cost_model, tree
-        )
-        rows.append(ResultRow(config, tree_totals, MEASURED, tree=tree))
-    return rows
+        runs.append((config, tree))
+    return runs
