@@ -1,18 +1,24 @@
 """Acceptance estimators on exact greedy replay: does TETRIS beat standard SD, and by how much?
 
 For every k in the grid and extra in the grid, replays fixed-window SD, the paper's TETRIS,
-TETRIS with each acceptance estimator (with and without the ranking guard) and the oracle over
-the same
-traces and batch slots, and prints accepted draft tokens per request-step relative to fixed SD,
-plus the share of the fixed-to-oracle gap each variant closes.
+TETRIS with each registered acceptance estimator (``specselect.estimators.ESTIMATORS``, with and
+without the ranking guard) and the oracle over the same traces and batch slots, and prints
+accepted draft tokens per request-step relative to fixed SD, plus the share of the
+fixed-to-oracle gap each variant closes (n/a where the oracle does no better than fixed SD; the
+mean is over the other configurations).
+
+``--traces FILE`` records the pair's traces into FILE, or reads them back when it exists, after
+checking they were recorded from this ``--pair`` on its prompts with this ``--max-new-tokens``
+and a window of at least the grid's largest ``k + extra``.
 
     python benchmarks/bench_estimators.py                # shipped pair, 40 prompts, 64 tokens
     python benchmarks/bench_estimators.py --traces t.pt  # reuse (or save) recorded traces
     python benchmarks/bench_estimators.py --pair DIR     # another pair (see bench_replay_goals)
     python benchmarks/bench_estimators.py --live-sampling  # plus live runs at temperature 1
 
-Live sampling runs ``speculative_generate`` (temperature 1, no top-k, the loop feeds selectors
-causal scores) over the same prompts in static batches and reports VSR and tokens per step.
+Live sampling runs ``speculative_generate`` on ``--pair`` (temperature 1, no top-k, the loop
+feeds selectors causal scores) over the same prompts in static batches and reports VSR and
+tokens per step.
 """
 
 from __future__ import annotations
@@ -21,29 +27,34 @@ import argparse
 from pathlib import Path
 
 import torch
-from bench_replay_goals import load_pair_traces
+from bench_replay_goals import (
+    gap_closed,
+    load_pair_traces,
+    mean_closed,
+    pair_models,
+    pair_prompts,
+    percent,
+)
 
 from specselect import FixedWindowSelector, TetrisSelector
+from specselect.estimators import DEFAULT_ESTIMATOR, ESTIMATORS
 from specselect.models import TINY_PAIR_DIR
-from specselect.replay import OracleSelector, Traces, load_traces, replay, save_traces
-
-VARIANTS = {
-    "paper": {"estimator": None, "guard": False},
-    "calibrated": {"estimator": "calibrated", "guard": False},
-    "history": {"estimator": "history", "guard": False},
-    "choice": {"estimator": "choice", "guard": False},
-    "history+guard": {"estimator": "history", "guard": True},
-    "choice+guard (default)": {"estimator": "choice", "guard": True},
-}
+from specselect.replay import OracleSelector, replay
 
 
-def pair_traces(pair: Path, max_new_tokens: int, max_k: int, path: Path | None) -> Traces:
-    if path is not None and path.exists():
-        return load_traces(path)
-    traces, _ = load_pair_traces(pair, max_new_tokens, max_k, cache=None)
-    if path is not None:
-        save_traces(traces, path)
-    return traces
+def variants() -> dict[str, dict[str, object]]:
+    """TETRIS's keyword arguments per column: the paper's ranking, then every registered
+    estimator without and with the ranking guard (so a new estimator gets its columns)."""
+    table: dict[str, dict[str, object]] = {"paper": {"estimator": None, "guard": False}}
+    for name in sorted(ESTIMATORS):
+        for guard in (False, True):
+            default = " (default)" if guard and name == DEFAULT_ESTIMATOR else ""
+            label = name + ("+guard" if guard else "") + default
+            table[label] = {"estimator": name, "guard": guard}
+    return table
+
+
+VARIANTS = variants()
 
 
 def grid_parser(description: str) -> argparse.ArgumentParser:
@@ -65,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     max_k = max(args.k) + max(args.extra)
-    traces = pair_traces(args.pair, args.max_new_tokens, max_k, args.traces)
+    traces = load_pair_traces(args.pair, args.max_new_tokens, max_k, args.traces)
 
     def accepted(selector) -> float:
         return replay(traces, selector, args.slots).totals.accepted_per_request_step
@@ -73,7 +84,7 @@ def main() -> None:
     header = ["k", "extra", "fixed", "oracle", *VARIANTS]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    closed: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    closed: dict[str, list[float | None]] = {name: [] for name in VARIANTS}
     wins: dict[str, int] = {name: 0 for name in VARIANTS}
     for k in args.k:
         fixed = accepted(FixedWindowSelector(k))
@@ -83,7 +94,7 @@ def main() -> None:
             for name, kwargs in VARIANTS.items():
                 value = accepted(TetrisSelector(k, extra, **kwargs))
                 cells.append(f"{value / fixed - 1:+.1%}")
-                closed[name].append((value - fixed) / (oracle - fixed))
+                closed[name].append(gap_closed(value, fixed, oracle))
                 wins[name] += value >= fixed
             print("| " + " | ".join(cells) + " |")
     configs = len(args.k) * len(args.extra)
@@ -91,20 +102,20 @@ def main() -> None:
     print("| variant | configs >= fixed | mean share of the fixed-to-oracle gap closed |")
     print("|---|---|---|")
     for name in VARIANTS:
-        share = sum(closed[name]) / len(closed[name])
-        print(f"| {name} | {wins[name]}/{configs} | {share:+.1%} |")
+        share = percent(mean_closed(closed[name]), "+.1%")
+        print(f"| {name} | {wins[name]}/{configs} | {share} |")
     if args.live_sampling:
         live_sampling(args)
 
 
 def live_sampling(args: argparse.Namespace) -> None:
-    """VSR and tokens per step of live sampled generation (temperature 1) per selector."""
+    """VSR and tokens per step of live sampled generation (temperature 1) per selector, on the
+    pair in ``--pair`` and its prompts."""
     from specselect import speculative_generate
     from specselect.metrics import Totals
-    from specselect.models import load_prompts, load_tiny_pair
 
-    target, draft, tokenizer = load_tiny_pair()
-    texts = [p["text"] for p in load_prompts()]
+    target, draft = pair_models(args.pair)
+    tokenizer, texts = pair_prompts(args.pair)
     print()
     print("| selector | k | extra | tokens/step | VSR | verified/request-step |")
     print("|---|---|---|---|---|---|")

@@ -17,8 +17,9 @@ greedily and on the same left-padded prompts:
 Columns: median wall seconds over ``--repeats`` timed runs (after one warm-up run), new tokens
 per second (tokens are the reference's new tokens up to and including EOS, the same for every
 method that reproduces it), speed-up over ``generate``, tokens per step, VSR, verified draft
-tokens per step, the draft / select / verify / other time split of the speculative loop, and
-how many rows came out identical to ``generate``.
+tokens per request-step (per active request, like tokens per step), the draft / select /
+verify / other time split of the speculative loop, and how many rows came out identical to
+``generate``.
 
 The models are the shipped trained pair (``specselect.models.load_tiny_pair``) when its files
 are present, else tiny random Llama models (a noisy copy as draft) built in code. On CPU the
@@ -241,12 +242,13 @@ def bench_batch(setup: Setup, device: str, batch: int, args: argparse.Namespace)
 
 
 def run_stats(out: Any) -> dict[str, float]:
-    """Tokens per step, VSR, verified per step and the time split of one run."""
+    """Tokens per step, VSR, verified tokens per request-step and the time split of one run
+    (per request-step, like tokens per step: summed over the batch they would grow with it)."""
     totals = out.stats.totals
     return {
         "tokens_per_step": totals.tokens_per_step,
         "vsr": totals.vsr,
-        "verified_per_step": totals.verified / max(totals.steps, 1),
+        "verified_per_request_step": totals.verified_per_request_step,
         **{key: totals.extra[key] for key in SPLIT},
     }
 
@@ -254,7 +256,7 @@ def run_stats(out: Any) -> dict[str, float]:
 def markdown(rows: list[Row]) -> str:
     """The results as a markdown table; speed-ups are against ``generate`` of the same cell."""
     lines = [
-        "| device | B | method | s | tok/s | vs generate | tok/step | VSR | verified/step "
+        "| device | B | method | s | tok/s | vs generate | tok/step | VSR | verified/request-step "
         "| draft/select/verify/other s | identical rows |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
@@ -270,13 +272,14 @@ def markdown(rows: list[Row]) -> str:
 
 
 def stats_cells(stats: dict[str, float]) -> str:
-    """Tokens/step, VSR, verified/step and the time split; empty cells for non-speculative rows."""
+    """Tokens/step, VSR, verified/request-step and the time split; empty cells for
+    non-speculative rows."""
     if not stats:
         return " | | | "
     split = "/".join(f"{stats[k]:.2f}" for k in SPLIT)
     return (
         f"{stats['tokens_per_step']:.2f} | {stats['vsr']:.2f} | "
-        f"{stats['verified_per_step']:.1f} | {split}"
+        f"{stats['verified_per_request_step']:.2f} | {split}"
     )
 
 

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_estimators import grid_parser, pair_traces
+from bench_estimators import grid_parser
+from bench_replay_goals import load_pair_traces
 
 from specselect import DSDSelector, FixedWindowSelector, TetrisSelector
 from specselect.cost import CostModel, default_cost_model
@@ -150,7 +151,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    traces = pair_traces(args.pair, args.max_new_tokens, max(args.k) + max(args.extra), args.traces)
+    max_k = max(args.k) + max(args.extra)
+    traces = load_pair_traces(args.pair, args.max_new_tokens, max_k, args.traces)
     if args.replicate > 1:
         traces = replicated(traces, args.replicate)
     print(f"{traces.num_requests} requests, {args.slots} slots, {traces.max_new_tokens} tokens")

@@ -11,6 +11,12 @@ GQA 32/4, vocab 32000) and a ~70M draft (hidden 768, 4 layers), bf16, for each b
 * the break-even tokens per step: a step's time over a plain step's time (graph mode, and HF
   eager ``generate``).
 
+Every row of part a is on one basis: ms per decode step, prefill excluded, the median over
+``--repeats`` calls. For specselect, a call's step time is its steps' summed wall time over their
+number (its ``stats``; the split is that of the median call). HF ``generate`` reports no steps, so
+its step time is the median of a ``--steps``-token call minus the median of a one-token call (the
+prefill, which emits the first token), over the ``--steps - 1`` tokens left.
+
 Part **b** — end to end with a trained pair: a >= 100M-parameter Llama target trained on the
 installed packages' Python sources with the shipped 4096-token tokenizer, and a <= 1/10 draft
 distilled from it (KL), both trained here in a few minutes (``--train-minutes``,
@@ -105,17 +111,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, Any]:
-    """Median seconds of ``repeats`` calls after one untimed warm-up; the last result."""
-    result = fn()
-    seconds = []
+def timed_runs(
+    fn: Callable[[], Any], device: torch.device, repeats: int
+) -> list[tuple[float, Any]]:
+    """(seconds, result) of each of ``repeats`` calls, after one untimed warm-up."""
+    fn()
+    runs = []
     for _ in range(repeats):
         sync(device)
         start = time.perf_counter()
         result = fn()
         sync(device)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds), result
+        runs.append((time.perf_counter() - start, result))
+    return runs
+
+
+def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, Any]:
+    """Median seconds of ``repeats`` calls after one untimed warm-up; the last result."""
+    runs = timed_runs(fn, device, repeats)
+    return statistics.median(seconds for seconds, _ in runs), runs[-1][1]
 
 
 # ------------------------------------------------------------------------------ part a
@@ -129,6 +143,27 @@ class StepCost:
     batch: int
     total: float
     split: dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def of(label: str, batch: int, stats: Any) -> StepCost:
+        """ms per step of one call's ``stats`` (prefill excluded), split by phase."""
+        steps = max(len(stats.steps), 1)
+        split = {
+            "draft": stats.draft_seconds,
+            "select": stats.select_seconds,
+            "verify": stats.verify_seconds,
+            "bookkeeping": stats.other_seconds,
+        }
+        total = sum(s.seconds for s in stats.steps)
+        return StepCost(
+            label, batch, 1000 * total / steps, {k: 1000 * v / steps for k, v in split.items()}
+        )
+
+
+def median_cost(costs: list[StepCost]) -> StepCost:
+    """The call whose ms/step is the median (the lower middle one of an even count): a whole
+    call, so that its split still adds up to its total."""
+    return sorted(costs, key=lambda cost: cost.total)[(len(costs) - 1) // 2]
 
 
 def speculative_configs(k: int) -> list[tuple[str, dict[str, Any] | None, TreeSpec | None]]:
@@ -155,20 +190,26 @@ def step_costs(
     prompt = torch.randint(1, target.config.vocab_size, (batch, args.prompt), generator=gen)
     ids, mask = prompt.to(device), torch.ones_like(prompt).to(device)
     new = args.steps
-    seconds, _ = timed(
-        lambda: target.generate(
-            ids,
-            attention_mask=mask,
-            do_sample=False,
-            max_new_tokens=new,
-            min_new_tokens=new,
-            eos_token_id=None,
-            pad_token_id=0,
-        ),
-        device,
-        args.repeats,
-    )
-    costs = [StepCost("HF generate (eager)", batch, 1000 * seconds / new)]
+
+    def generate(tokens: int) -> float:
+        """Median seconds of an HF ``generate`` call that emits ``tokens`` tokens per row."""
+        seconds, _ = timed(
+            lambda: target.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+            ),
+            device,
+            args.repeats,
+        )
+        return seconds
+
+    decode = (generate(new) - generate(1)) / (new - 1)  # the prefill emits the first token
+    costs = [StepCost("HF generate (eager)", batch, 1000 * decode)]
     for label, spec, tree in speculative_configs(args.k):
         selector = None if spec is None else make_selector(**spec)
 
@@ -186,24 +227,8 @@ def step_costs(
                 cuda_graphs=args.graphs,
             )
 
-        _, out = timed(call, device, args.repeats)
-        stats = out.stats
-        steps = max(len(stats.steps), 1)
-        split = {
-            "draft": stats.draft_seconds,
-            "select": stats.select_seconds,
-            "verify": stats.verify_seconds,
-            "bookkeeping": stats.other_seconds,
-        }
-        total = sum(s.seconds for s in stats.steps)
-        costs.append(
-            StepCost(
-                label,
-                batch,
-                1000 * total / steps,
-                {k: 1000 * v / steps for k, v in split.items()},
-            )
-        )
+        runs = timed_runs(call, device, args.repeats)
+        costs.append(median_cost([StepCost.of(label, batch, out.stats) for _, out in runs]))
     release_workspace(target)
     return costs
 
@@ -219,8 +244,8 @@ def part_a(args: argparse.Namespace, device: torch.device) -> str:
         file=sys.stderr,
     )
     lines = [
-        "| B | configuration | ms/step | draft | select | verify | bookkeeping "
-        "| break-even vs graph plain | vs HF generate |",
+        "| B | configuration | ms/step (median, prefill excluded) | draft | select | verify "
+        "| bookkeeping | break-even vs graph plain | vs HF generate |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     with torch.no_grad():
@@ -640,7 +665,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--k", type=int, default=3, help="base window of the selectors")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per row")
-    parser.add_argument("--steps", type=int, default=32, help="part a: new tokens (steps)")
+    parser.add_argument(
+        "--steps", type=int, default=32, help="part a: new tokens (steps), at least 2"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128, help="part b: new tokens")
     parser.add_argument("--repeats", type=int, default=2, help="timed calls (median) per cell")
     parser.add_argument("--cache-dir", help="part b: where the trained pair is kept")
@@ -664,6 +691,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: check the script")
     parser.add_argument("--output", help="also write the tables to this markdown file")
     args = parser.parse_args(argv)
+    if args.steps < 2:  # part a's HF step time is (steps tokens - 1 token) / (steps - 1)
+        parser.error(f"--steps must be at least 2, got {args.steps}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.select_batch_sizes = [int(b) for b in args.select_batch_sizes.split(",")]
     args.dtype = getattr(torch, args.dtype)

@@ -1,21 +1,66 @@
-"""Every benchmark script starts: its imports resolve and its options parse.
+"""Every benchmark script starts, and the cheap ones run end to end at tiny sizes.
 
 The benchmarks are not run by CI (they take minutes, or a GPU), so nothing else would notice a
 script that no longer imports; ``bench_goodput.py`` once imported a helper that a refactor of
 ``bench_estimators.py`` had renamed. ``--help`` imports the whole script (and the scripts it
-imports) and builds its parser, then exits before any work.
+imports) and builds its parser, then exits before any work. The real runs cover what ``--help``
+cannot: a table built for one device and indexed for another, a share of a gap that is zero,
+a trace file reused for a run it does not fit.
 """
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(BENCHMARKS.glob("bench_*.py"))
+
+#: Tiny real runs, a few seconds each on one CPU core.
+RUNS = {
+    # Two CPU devices: the second configuration's methods must fit the first one's table.
+    "selectors": "bench_selectors.py --devices cpu cpu:0 --batches 8 --windows 4 --rounds 1 "
+    "--block 1",
+    "gpu-selection": "bench_gpu.py --smoke --device cpu --part s --no-compile "
+    "--select-batch-sizes 1",
+}
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / args[0]), *args[1:]],
+        cwd=BENCHMARKS.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], ModuleType]:
+    """Imports a benchmark script as a module (the scripts import each other by name)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """Traces of the shipped pair recorded by ``bench_estimators.py`` (2 tokens, ``k = 1``,
+    ``extra = 1``: the oracle does no better than fixed SD there) and the script's output."""
+    path = tmp_path_factory.mktemp("traces") / "traces.pt"
+    run = run_script("bench_estimators.py", "--traces", str(path), *ESTIMATOR_GRID, "2")
+    assert run.returncode == 0, run.stderr[-2000:]
+    return path, run.stdout
+
+
+ESTIMATOR_GRID = ("--k", "1", "--extra", "1", "--max-new-tokens")
 
 
 def test_there_are_benchmarks() -> None:
@@ -24,13 +69,100 @@ def test_there_are_benchmarks() -> None:
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
 def test_benchmark_script_starts(script: Path) -> None:
-    run = subprocess.run(
-        [sys.executable, str(script), "--help"],
-        cwd=BENCHMARKS.parent,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    run = run_script(script.name, "--help")
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith("usage:"), run.stdout[:500]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", RUNS.values(), ids=RUNS.keys())
+def test_benchmark_runs(command: str) -> None:
+    run = run_script(*command.split())
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "| **no** |" not in run.stdout and "| NO |" not in run.stdout, run.stdout
+
+
+def test_selector_table_is_the_union_of_methods(bench: Callable[[str], ModuleType]) -> None:
+    """A CUDA row has no ``tetris_pytorch``: its cell is empty, not a KeyError; the speed-up
+    is over the fastest reference, not the sorted one."""
+    selectors = bench("bench_selectors")
+    cpu = {"ref": 9.0, "ref_unsorted": 4.0, "tetris": 2.0, "tetris_pytorch": 3.0}
+    cuda = {"ref": 6.0, "ref_unsorted": 8.0, "tetris": 2.0}
+    rows = [
+        selectors.row_cells(selectors.Config(device, 8, 4), micros, True)
+        for device, micros in (("cpu", cpu), ("cuda", cuda))
+    ]
+    header, _, *lines = selectors.markdown_table(rows)
+    table = [dict(zip(cells(header), cells(line), strict=True)) for line in lines]
+    assert [row["tetris_pytorch µs"] for row in table] == ["3.0", ""]
+    assert [row["fastest ref"] for row in table] == ["ref_unsorted", "ref"]
+    assert [row["fastest ref / tetris"] for row in table] == ["2.0x", "3.0x"]
+
+
+def cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+@pytest.mark.slow
+def test_estimators_without_a_gap_to_close(
+    recorded: tuple[Path, str], bench: Callable[[str], ModuleType]
+) -> None:
+    """Where the oracle equals fixed SD the share of the gap closed is n/a (it divided by
+    zero), and every registered estimator has its columns."""
+    from specselect.estimators import ESTIMATORS
+
+    variants = bench("bench_estimators").VARIANTS
+    assert set(ESTIMATORS) <= {kwargs["estimator"] for kwargs in variants.values()}
+    _, output = recorded
+    rows = [cells(line) for line in output.splitlines() if line.startswith("| ")]
+    summary = {row[0]: row[2] for row in rows if row[0] in variants}
+    assert summary == dict.fromkeys(variants, "n/a"), output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("max_new_tokens", "max_k", "other_pair", "error"),
+    [
+        (3, 2, False, "were recorded with max_new_tokens=2, not 3"),
+        (2, 3, False, "hold max_k=2 draft tokens; this grid needs 3"),
+        (2, 2, True, "were recorded from the pair"),
+    ],
+)
+def test_reused_traces_must_fit_the_run(
+    recorded: tuple[Path, str],
+    bench: Callable[[str], ModuleType],
+    tmp_path: Path,
+    max_new_tokens: int,
+    max_k: int,
+    other_pair: bool,
+    error: str,
+) -> None:
+    from specselect.models import TINY_PAIR_DIR
+    from specselect.replay import TraceMismatchError, save_traces
+
+    goals = bench("bench_replay_goals")
+    path, _ = recorded
+    reused = goals.load_pair_traces(TINY_PAIR_DIR, 2, 2, path)  # fits what it was recorded for
+    assert reused.meta["pair"] == str(TINY_PAIR_DIR.resolve())
+    if other_pair:
+        reused.meta["pair"] = str(tmp_path)
+        path = save_traces(reused, tmp_path / "other.pt")
+    with pytest.raises(TraceMismatchError, match=error):
+        goals.load_pair_traces(TINY_PAIR_DIR, max_new_tokens, max_k, path)
+
+
+def test_gap_closed_is_undefined_without_a_gap(bench: Callable[[str], ModuleType]) -> None:
+    goals = bench("bench_replay_goals")
+    assert goals.gap_closed(1.5, 1.0, 2.0) == 0.5
+    assert goals.gap_closed(1.0, 1.0, 1.0) is None
+    assert goals.mean_closed([None, 0.5, 0.25]) == 0.375
+    assert goals.mean_closed([None]) is None
+    assert goals.percent(None) == "n/a"
+
+
+def test_trace_cache_is_per_pair_path(bench: Callable[[str], ModuleType], tmp_path: Path) -> None:
+    """Two pairs in directories of the same name get different cache files."""
+    goals = bench("bench_replay_goals")
+    first, second = tmp_path / "a" / "pair", tmp_path / "b" / "pair"
+    paths = {goals.trace_cache_path(tmp_path, pair, 64, 7) for pair in (first, second)}
+    assert len(paths) == 2
