@@ -141,6 +141,32 @@ def test_guard_trusts_scores_that_no_failure_speaks_against(rate: float) -> None
     assert bool(guard.trusted()) == (rate == 1.0)
 
 
+@pytest.mark.parametrize(("decay", "per_step"), [(0.99, 1), (0.9, 10)])
+def test_the_guard_counts_every_tested_token_however_few_per_step(
+    decay: float, per_step: int
+) -> None:
+    """The early phase ends after ``min_observations`` tested tokens, however they are spread
+    over steps. Uninformative scores (all alike: AUC 0.5) must then be distrusted; the decayed
+    count, which saturates at ``per_step / (1 - decay)`` = 100 here, kept the guard trusting
+    them forever."""
+    guard = RankingGuard(decay=decay)
+    scores = torch.full((1, per_step), -0.5)
+    tested = torch.ones(1, per_step, dtype=torch.bool)
+
+    def steps(n: int) -> None:
+        for step in range(n):
+            passed = (torch.arange(per_step).view(1, -1) + step) % 2 == 0  # [1, per_step]
+            guard.observe(scores, tested, passed)
+
+    steps(guard.min_observations // per_step - 1)
+    assert bool(guard.trusted())  # still early
+    steps(1)
+    assert float(guard.auc()) == 0.5 and not bool(guard.trusted())
+    guard.reset()
+    steps(1)
+    assert bool(guard.trusted())  # early again: the count was forgotten too
+
+
 def test_observed_outcomes_stop_at_the_first_rejection() -> None:
     tested, passed = observed_outcomes(torch.tensor([3, 3, 0, 2]), torch.tensor([1, 3, 0, 2]), 4)
     assert tested.tolist() == [
@@ -233,6 +259,54 @@ def test_estimates_keep_minus_inf_and_stay_log_probabilities(name: str) -> None:
     assert (out <= 0).all()
 
 
+def bad_outcomes(x: torch.Tensor) -> dict[str, tuple]:
+    """``learn`` arguments for ``[1, 2]`` log-probs ``x``, each wrong in one way."""
+    yes, no = torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, 2, dtype=torch.bool)
+    return {
+        "passed-untested": ((x, no, yes), ValueError, "passed must imply tested"),
+        "mask-shape": ((x, yes[:, :1], yes[:, :1]), ValueError, r"tested must have shape \[1, 2\]"),
+        "mask-dtype": ((x, yes, yes.float()), TypeError, "passed must be a bool tensor"),
+        "mask-device": ((x, yes.to("meta"), yes), ValueError, "tested is on meta"),
+        "positions-shape": ((x, yes, yes, torch.zeros(2, dtype=torch.int64)), ValueError, "rank 2"),
+        "positions-dtype": ((x, yes, yes, torch.zeros(1, 2)), TypeError, "positions must be an"),
+        "logprobs-dtype": ((x.to(torch.int64), yes, yes), TypeError, "draft_logprobs must be a"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(bad_outcomes(torch.zeros(1, 2))))
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_learn_refuses_inconsistent_outcomes_before_changing_state(name: str, case: str) -> None:
+    """Every estimator's ``learn`` checks its arguments first: a pass that was not tested (it
+    counted as an acceptance and a rejection) and masks of another shape, dtype or device (a
+    scatter used to fail after the counts had decayed) leave what was learned untouched."""
+    estimator = ESTIMATORS[name]()
+    x = torch.tensor([[-0.1, -2.0]])
+    estimator.learn(x, torch.ones(1, 2, dtype=torch.bool), torch.tensor([[True, False]]))
+    before = estimator.estimate(x)
+    arguments, error, match = bad_outcomes(x)[case]
+    with pytest.raises(error, match=match):
+        estimator.learn(*arguments)
+    assert torch.equal(estimator.estimate(x), before)
+
+
+@pytest.mark.parametrize(
+    ("rows", "error", "match"),
+    [
+        (torch.zeros(3, dtype=torch.int64), TypeError, "rows must be a bool tensor"),
+        (torch.zeros(2, dtype=torch.bool), ValueError, r"rows must have shape \[3\]"),
+        (torch.zeros(3, dtype=torch.bool, device="meta"), ValueError, "rows is on meta"),
+    ],
+    ids=["dtype", "shape", "device"],
+)
+def test_reset_rows_checks_its_mask(rows: torch.Tensor, error: type[Exception], match: str):
+    """The same mask check as a selector's ``active`` (it raised another exception type for a
+    wrong dtype, and let a mask on another device through)."""
+    history = RequestHistory()
+    history.estimate(torch.zeros(3, 2))
+    with pytest.raises(error, match=match):
+        history.reset_rows(rows)
+
+
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 def test_estimators_run_on_meta_tensors(name: str) -> None:
     """Nothing reads a value back: the whole step runs on tensors without data."""
@@ -245,21 +319,43 @@ def test_estimators_run_on_meta_tensors(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("factory", "match"),
+    ("factory", "error", "match"),
     [
-        (lambda: CalibratedDraft(bins=0), "bins"),
-        (lambda: CalibratedDraft(decay=1.5), "decay"),
-        (lambda: CalibratedDraft(prior=0), "prior"),
-        (lambda: RequestHistory(lr=0), "lr"),
-        (lambda: RequestHistory(request_decays=(0.5, 1.5)), "request_decays"),
-        (lambda: RequestHistory(request_decays=()), "request_decays"),
-        (lambda: RankingGuard(min_auc=2), "min_auc"),
-        (lambda: RankingChoice(margin=-1), "margin"),
-        (lambda: RankingChoice(decay=2), "decay"),
+        (lambda: CalibratedDraft(bins=0), ValueError, "bins"),
+        (lambda: CalibratedDraft(decay=1.5), ValueError, "decay"),
+        (lambda: CalibratedDraft(decay=0), ValueError, r"decay must be a finite float in \(0, 1\]"),
+        (lambda: CalibratedDraft(prior=0), ValueError, "prior"),
+        (lambda: CalibratedDraft(prior=math.inf), ValueError, "prior must be a finite float > 0"),
+        (
+            lambda: CalibratedDraft(prior="4"),
+            TypeError,
+            "prior must be a finite float > 0, got str",
+        ),
+        (lambda: RequestHistory(lr=0), ValueError, "lr"),
+        (lambda: RequestHistory(lr=math.inf), ValueError, "lr must be a finite float > 0, got inf"),
+        (lambda: RequestHistory(lr="0.1"), TypeError, "lr must be a finite float > 0, got str"),
+        (lambda: RequestHistory(strength=math.inf), ValueError, "strength must be a finite"),
+        (lambda: RequestHistory(history_weight=math.nan), ValueError, "history_weight must be"),
+        (lambda: RequestHistory(draft_weight=-math.inf), ValueError, "draft_weight must be"),
+        (lambda: RequestHistory(calibrated_weight=math.nan), ValueError, "calibrated_weight"),
+        (lambda: RequestHistory(calibration="calibrated"), TypeError, "calibration must be"),
+        (lambda: RequestHistory(request_decays=(0.5, 1.5)), ValueError, r"request_decays\[1\]"),
+        (lambda: RequestHistory(request_decays=(math.nan,)), ValueError, "request_decays"),
+        (lambda: RequestHistory(request_decays=()), ValueError, "request_decays"),
+        (lambda: RequestHistory(request_decays=0.5), TypeError, "request_decays must be a seq"),
+        (lambda: RankingGuard(min_auc=2), ValueError, "min_auc"),
+        (lambda: RankingGuard(min_auc=math.nan), ValueError, "min_auc"),
+        (lambda: RankingGuard(decay=math.nan), ValueError, "decay"),
+        (lambda: RankingChoice(margin=-1), ValueError, "margin"),
+        (lambda: RankingChoice(margin=math.inf), ValueError, "margin must be a finite float >= 0"),
+        (lambda: RankingChoice(learned="history"), TypeError, "learned must be"),
+        (lambda: RankingChoice(decay=2), ValueError, "decay"),
     ],
 )
-def test_bad_estimator_arguments(factory, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+def test_bad_estimator_arguments(factory, error: type[Exception], match: str) -> None:
+    """Every hyperparameter is a finite number in its range: an infinite or NaN one made every
+    estimate NaN, and TETRIS then silently selected nothing."""
+    with pytest.raises(error, match=match):
         factory()
 
 
@@ -676,14 +772,16 @@ def test_synthetic_traces_reject_bad_arguments(kwargs: dict, match: str) -> None
 
 
 def learned_tensors(selector: TetrisSelector) -> list[torch.Tensor]:
-    """The default TETRIS's learned state: guard histograms, choice statistics, calibration."""
+    """The default TETRIS's learned state: guard histograms and count, choice statistics,
+    calibration."""
     choice = selector.estimator
-    assert isinstance(choice, RankingChoice) and selector.guard is not None
+    guard = selector.guard
+    assert isinstance(choice, RankingChoice) and guard is not None
     calibration = choice.learned.calibration  # type: ignore[attr-defined]
-    return [selector.guard._histograms, choice._stats, calibration._counts]
+    return [guard._histograms, guard._tested, choice._stats, calibration._counts]
 
 
-@pytest.mark.parametrize(
+READS = pytest.mark.parametrize(
     "read",
     [
         lambda s, device: s.guard.auc(device),
@@ -695,6 +793,9 @@ def learned_tensors(selector: TetrisSelector) -> list[torch.Tensor]:
     ],
     ids=["auc", "trusted", "log_losses", "aucs", "uses_learned", "table"],
 )
+
+
+@READS
 def test_a_reading_on_another_device_keeps_the_learned_state(read: Callable) -> None:
     """A diagnostic read on another device than the state's (the CPU by default, for a
     selector on a GPU; "meta" stands in for it here) copies: it neither discards what was
@@ -710,6 +811,17 @@ def test_a_reading_on_another_device_keeps_the_learned_state(read: Callable) -> 
     assert all(a is b for a, b in zip(learned_tensors(selector), live, strict=True))
     for tensor, before in zip(live, saved, strict=True):
         assert torch.equal(tensor, before)
+
+
+@READS
+def test_a_reading_before_the_first_step_binds_no_state(read: Callable) -> None:
+    """A diagnostic read before any step reports the defaults on the device asked for (the
+    CPU by default) without tying the state to it: the first step may then run elsewhere
+    ("meta" stands in for a GPU), where the state is allocated (it used to be refused)."""
+    selector = TetrisSelector(2, 1)
+    read(selector, "cpu")
+    default_tetris_steps(selector, 1, torch.Generator().manual_seed(0), "meta")
+    assert [tensor.device.type for tensor in learned_tensors(selector)] == ["meta"] * 4
 
 
 def default_tetris_steps(
@@ -743,7 +855,7 @@ def test_a_moved_selector_keeps_its_learned_state_in_shape() -> None:
         moved = selector.capture_key
         default_tetris_steps(selector, 2, gen, "meta")
     assert moved != key and selector.capture_key == moved
-    assert [tensor.device.type for tensor in learned_tensors(selector)] == ["meta"] * 3
+    assert [tensor.device.type for tensor in learned_tensors(selector)] == ["meta"] * 4
     assert [tensor.shape for tensor in learned_tensors(selector)] == shapes
 
 

@@ -9,6 +9,7 @@ and, on accelerators, only when :func:`set_device_value_checks` turned them on f
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 from collections.abc import Iterator
 
@@ -78,11 +79,45 @@ def check_int(name: str, value: object, *, minimum: int = 0) -> int:
 
 def check_probability(name: str, value: object) -> float:
     """Return ``value`` as a float in [0, 1], or raise."""
+    return check_real(name, value, low=0.0, high=1.0)
+
+
+def check_real(
+    name: str,
+    value: object,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    open_low: bool = False,
+) -> float:
+    """Return ``value`` as a float, or raise unless it is a finite real number in the range:
+    ``>= low`` (``> low`` if ``open_low``) and ``<= high``, each bound optional.
+
+    Finite always: an infinite or NaN hyperparameter turns every estimate it touches into NaN,
+    which ranks nothing and fails nowhere. A non-number is a ``TypeError``, a number out of
+    range a ``ValueError``; both name the argument and the expected range.
+    """
+    expected = _range_text(low, high, open_low)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a float in [0, 1], got {type(value).__name__}")
-    if not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {value}")
-    return float(value)
+        raise TypeError(f"{name} must be a finite float{expected}, got {type(value).__name__}")
+    number = float(value)
+    in_range = (
+        math.isfinite(number)
+        and (low is None or (number > low if open_low else number >= low))
+        and (high is None or number <= high)
+    )
+    if not in_range:
+        raise ValueError(f"{name} must be a finite float{expected}, got {value}")
+    return number
+
+
+def _range_text(low: float | None, high: float | None, open_low: bool) -> str:
+    """`` in (0, 1]``, `` > 0``, `` <= 1`` or nothing: the range :func:`check_real` expects."""
+    if low is not None and high is not None:
+        return f" in {'(' if open_low else '['}{low:g}, {high:g}]"
+    if low is not None:
+        return f" {'>' if open_low else '>='} {low:g}"
+    return "" if high is None else f" <= {high:g}"
 
 
 def check_tensor(name: str, value: object, *, rank: int) -> Tensor:
@@ -128,27 +163,33 @@ def check_no_nan(name: str, t: Tensor) -> Tensor:
 
 def check_active(active: object, batch: int, device: torch.device) -> Tensor | None:
     """Check an optional active-row mask: a bool tensor of shape ``[batch]`` on ``device``."""
-    if active is None:
-        return None
-    t = check_tensor("active", active, rank=1)
+    return None if active is None else check_mask("active", active, (batch,), device)
+
+
+def check_mask(name: str, value: object, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """Check a bool mask of ``shape`` on ``device`` (metadata only: free everywhere)."""
+    t = check_tensor(name, value, rank=len(shape))
     if t.dtype != torch.bool:
-        raise TypeError(f"active must be a bool tensor, got {t.dtype}")
-    if t.shape[0] != batch:
-        raise ValueError(
-            f"active must have shape [{batch}] (one flag per row), got {tuple(t.shape)}"
-        )
+        raise TypeError(f"{name} must be a bool tensor, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(t.shape)}")
     if t.device != device:
-        raise ValueError(f"active is on {t.device} but draft_logprobs is on {device}")
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
     return t
 
 
 def check_row_ints(name: str, value: object, batch: int, device: torch.device) -> Tensor:
     """Check a per-row integer tensor of shape ``[batch]`` on ``device`` (any values)."""
-    t = check_tensor(name, value, rank=1)
+    return check_ints(name, value, (batch,), device)
+
+
+def check_ints(name: str, value: object, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """Check an integer tensor of ``shape`` on ``device`` (any values)."""
+    t = check_tensor(name, value, rank=len(shape))
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
         raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
-    if t.shape[0] != batch:
-        raise ValueError(f"{name} must have shape [{batch}], got {tuple(t.shape)}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
     return t
@@ -173,3 +214,13 @@ def check_at_most(name: str, t: Tensor, bound_name: str, bound: Tensor) -> Tenso
                 f"{bound_name}[{i}] = {int(bound[i])}"
             )
     return t
+
+
+def check_implies(name: str, t: Tensor, implied_name: str, implied: Tensor) -> None:
+    """Raise if ``t`` is set anywhere ``implied`` is not (two bool masks of one shape; a value
+    check: see the module doc)."""
+    readable = _values_checkable(t) and _values_checkable(implied) and t.numel()
+    if readable and bool((t & ~implied).any()):
+        raise ValueError(
+            f"{name} must imply {implied_name}: {name} is set where {implied_name} is not"
+        )

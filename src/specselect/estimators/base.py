@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specselect._checks import check_tensor
+from specselect._checks import check_implies, check_ints, check_mask, check_tensor
 
 EPS = 1e-4  # estimates are kept in [EPS, 1 - EPS]: log(0) would forbid a token forever
 
@@ -48,6 +48,9 @@ class AcceptanceEstimator(abc.ABC):
 
     ``positions`` (``[B, K]`` int64, optional) is each token's 0-based position along its
     chain: its column for chains (the default), ``depth - 1`` for draft-tree nodes.
+
+    An estimator implements :meth:`estimate` and, if it learns, :meth:`_learn`, which
+    :meth:`learn` calls once the arguments are checked.
     """
 
     name: str = "estimator"
@@ -66,7 +69,6 @@ class AcceptanceEstimator(abc.ABC):
         ``-inf`` inputs stay ``-inf`` (never selectable); everything else is finite and <= 0.
         """
 
-    @abc.abstractmethod
     def learn(
         self,
         draft_logprobs: Tensor,
@@ -76,7 +78,23 @@ class AcceptanceEstimator(abc.ABC):
     ) -> None:
         """Update from ``[B, K]`` log-probs and ``[B, K]`` bool tested / passed masks
         (:func:`~specselect.estimators.outcomes.observed_outcomes` for chains,
-        :func:`~specselect.estimators.outcomes.tree_outcomes` for trees)."""
+        :func:`~specselect.estimators.outcomes.tree_outcomes` for trees).
+
+        The arguments are checked here, for every estimator and before any state changes (a
+        mask of the wrong shape used to fail inside a scatter, after the counts had decayed);
+        :meth:`_learn` is what an estimator implements.
+        """
+        check_outcomes(draft_logprobs, tested, passed, positions)
+        self._learn(draft_logprobs, tested, passed, positions)
+
+    def _learn(  # noqa: B027
+        self,
+        draft_logprobs: Tensor,
+        tested: Tensor,
+        passed: Tensor,
+        positions: Tensor | None,
+    ) -> None:
+        """:meth:`learn` from checked arguments (learns nothing by default)."""
 
     def reset(self) -> None:  # noqa: B027
         """Forget everything learned (a new generation)."""
@@ -100,15 +118,6 @@ class DraftProbability(AcceptanceEstimator):
 
     def estimate(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
         return draft_logprobs
-
-    def learn(
-        self,
-        draft_logprobs: Tensor,
-        tested: Tensor,
-        passed: Tensor,
-        positions: Tensor | None = None,
-    ) -> None:
-        pass
 
 
 class Cached:
@@ -141,13 +150,15 @@ class Cached:
 
 
 def read_state(
-    live: Tensor | None, device: torch.device, allocate: Callable[[torch.device], Tensor]
+    live: Tensor | None, device: torch.device, build: Callable[[torch.device], Tensor]
 ) -> Tensor:
     """State for a reading on ``device``: the live tensor when it is there (what a captured
-    selection must read), a copy when it lives on another device, ``allocate(device)`` before
-    any. Never a rebinding: a diagnostic read on another device (the CPU by default) must not
-    discard what was learned, nor leave a captured graph updating a tensor nobody holds."""
-    return allocate(device) if live is None else live.to(device)
+    selection must read), a copy when it lives on another device, ``build(device)`` (new
+    values, bound to nothing) before the first step. Never a binding: a diagnostic read on
+    another device (the CPU by default) must not discard what was learned, nor leave a captured
+    graph updating a tensor nobody holds, nor, read before the first step, tie the state to its
+    device (the first step on a GPU would then be refused)."""
+    return build(device) if live is None else live.to(device)
 
 
 def check_state_device(owner: object, state: Tensor, device: torch.device) -> None:
@@ -160,6 +171,25 @@ def check_state_device(owner: object, state: Tensor, device: torch.device) -> No
         )
 
 
+def check_outcomes(
+    draft_logprobs: object, tested: object, passed: object, positions: object
+) -> None:
+    """Check :meth:`AcceptanceEstimator.learn`'s arguments: ``[B, K]`` floating log-probs,
+    bool masks and optional integer positions of that shape on its device (metadata: free), and
+    that every token that passed was tested, where the values can be read without a sync (see
+    :mod:`specselect._checks`): a pass that was not tested would count as both an acceptance
+    and a rejection."""
+    logprobs = check_tensor("draft_logprobs", draft_logprobs, rank=2)
+    if not logprobs.is_floating_point():
+        raise TypeError(f"draft_logprobs must be a floating-point tensor, got {logprobs.dtype}")
+    shape, device = tuple(logprobs.shape), logprobs.device
+    tested_mask = check_mask("tested", tested, shape, device)
+    passed_mask = check_mask("passed", passed, shape, device)
+    if positions is not None:
+        check_ints("positions", positions, shape, device)
+    check_implies("passed", passed_mask, "tested", tested_mask)
+
+
 def logit(p: Tensor) -> Tensor:
     """``log(p / (1 - p))`` with ``p`` clamped to ``[EPS, 1 - EPS]`` (finite everywhere)."""
     p = p.clamp(EPS, 1 - EPS)
@@ -169,12 +199,3 @@ def logit(p: Tensor) -> Tensor:
 def clamp_log(p: Tensor, finite: Tensor) -> Tensor:
     """``log p`` with ``p`` clamped to ``[EPS, 1 - EPS]``; ``-inf`` where not ``finite``."""
     return torch.where(finite, p.clamp(EPS, 1 - EPS).log(), float("-inf"))
-
-
-def check_rows(rows: object, batch: int) -> Tensor:
-    t = check_tensor("rows", rows, rank=1)
-    if t.dtype != torch.bool or t.shape[0] != batch:
-        raise ValueError(
-            f"rows must be a bool tensor of shape [{batch}], got {t.dtype} {tuple(t.shape)}"
-        )
-    return t

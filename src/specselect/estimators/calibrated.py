@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specselect._checks import check_int
+from specselect._checks import check_int, check_real
 from specselect.constants import cached_constant
 from specselect.estimators.base import (
     AcceptanceEstimator,
@@ -14,14 +14,6 @@ from specselect.estimators.base import (
     clamp_log,
     read_state,
 )
-
-
-def _check_unit(name: str, value: float, *, closed_low: bool) -> float:
-    value = float(value)
-    low_ok = value >= 0 if closed_low else value > 0
-    if not (low_ok and value <= 1):
-        raise ValueError(f"{name} must be in {'[' if closed_low else '('}0, 1], got {value}")
-    return value
 
 
 class CalibratedDraft(AcceptanceEstimator):
@@ -59,42 +51,40 @@ class CalibratedDraft(AcceptanceEstimator):
     ) -> None:
         self.bins = check_int("bins", bins, minimum=1)
         self.positions = check_int("positions", positions, minimum=1)
-        if not prior > 0:
-            raise ValueError(f"prior must be > 0, got {prior}")
-        self.prior = float(prior)
-        self.decay = _check_unit("decay", decay, closed_low=False)
+        self.prior = check_real("prior", prior, low=0.0, open_low=True)
+        self.decay = check_real("decay", decay, low=0.0, high=1.0, open_low=True)
         self._counts: Tensor | None = None  # [2, P * bins] decayed accepted, rejected counts
         self._logits: Tensor | None = None  # [P * bins] logit of each cell's estimate
         self._prior: Tensor | None = None  # [2, P * bins] the prior's pseudo-counts
         self._cells = Cached()  # the last estimate's cells, for learn
 
     def reset(self) -> None:
-        if self._counts is not None and self._logits is not None:
+        if self._counts is not None and self._logits is not None and self._prior is not None:
             self._counts.zero_()
-            self._refresh(self._counts, self._logits)
+            _refresh(self._counts, self._prior, self._logits)
         self._cells.clear()
 
-    def _state(self, device: torch.device) -> tuple[Tensor, Tensor]:
+    def _state(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """``(counts, logits, prior)``, bound on the first step (see :meth:`_fresh`)."""
         if self._counts is None or self._logits is None or self._prior is None:
-            self._counts = torch.zeros(2, self.positions * self.bins, device=device)
-            self._logits = torch.empty(self.positions * self.bins, device=device)
-            self._prior = _prior_counts(self.positions, self.bins, self.prior, device)
-            self._refresh(self._counts, self._logits)
+            self._counts, self._logits, self._prior = self._fresh(device)
         check_state_device(self, self._counts, device)
-        return self._counts, self._logits
+        return self._counts, self._logits, self._prior
+
+    def _fresh(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """New ``(counts, logits, prior)`` of a table that has learned nothing, bound to
+        nothing: :meth:`_state` binds them on the first step, :meth:`table` reads them before."""
+        counts = torch.zeros(2, self.positions * self.bins, device=device)  # [2, P * bins]
+        logits = torch.empty(self.positions * self.bins, device=device)  # [P * bins]
+        prior = _prior_counts(self.positions, self.bins, self.prior, device)  # [2, P * bins]
+        _refresh(counts, prior, logits)
+        return counts, logits, prior
 
     def to(self, device: torch.device) -> None:
         if self._counts is None or self._logits is None or self._prior is None:
             return
         self._counts, self._logits = self._counts.to(device), self._logits.to(device)
         self._prior = self._prior.to(device)
-
-    def _refresh(self, counts: Tensor, logits: Tensor) -> None:
-        """Write the log-odds of every cell's shrunk rate into ``logits``, in place:
-        ``log(accepted + prior q_bin) - log(rejected + prior (1 - q_bin))``."""
-        assert self._prior is not None
-        shrunk = (counts + self._prior).log_()  # [2, P * bins]
-        torch.sub(shrunk[0], shrunk[1], out=logits)
 
     def cells(
         self, draft_logprobs: Tensor, positions: Tensor | None, q: Tensor | None = None
@@ -112,7 +102,7 @@ class CalibratedDraft(AcceptanceEstimator):
 
     def table(self, device: torch.device | str = "cpu") -> Tensor:
         """``[positions, bins]`` current estimates."""
-        logits = read_state(self._logits, torch.device(device), lambda d: self._state(d)[1])
+        logits = read_state(self._logits, torch.device(device), lambda d: self._fresh(d)[1])
         return torch.sigmoid(logits).view(self.positions, self.bins)
 
     def probabilities(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
@@ -137,12 +127,12 @@ class CalibratedDraft(AcceptanceEstimator):
         finite = draft_logprobs > float("-inf")
         return clamp_log(self.probabilities(draft_logprobs, positions), finite)
 
-    def learn(
+    def _learn(
         self,
         draft_logprobs: Tensor,
         tested: Tensor,
         passed: Tensor,
-        positions: Tensor | None = None,
+        positions: Tensor | None,
     ) -> None:
         # passed implies tested, so tested ^ passed are the rejections.
         outcomes = torch.stack([passed, tested ^ passed]).to(torch.float32)  # [2, B, K]
@@ -153,13 +143,20 @@ class CalibratedDraft(AcceptanceEstimator):
     ) -> None:
         """:meth:`learn` from ``[2, B, K]`` float accepted and rejected indicators (an
         estimator built on this one has them already)."""
-        counts, logits = self._state(draft_logprobs.device)
+        counts, logits, prior = self._state(draft_logprobs.device)
         cells = self._cells.take((draft_logprobs, positions))
         if cells is None:
             cells = self.cells(draft_logprobs, positions)
         flat = outcomes.view(2, -1)  # [2, B * K]
         counts.mul_(self.decay).index_add_(1, cells.reshape(-1), flat)  # one scatter for both
-        self._refresh(counts, logits)
+        _refresh(counts, prior, logits)
+
+
+def _refresh(counts: Tensor, prior: Tensor, logits: Tensor) -> None:
+    """Write the log-odds of every cell's shrunk rate into ``logits`` (``[P * bins]``), in
+    place: ``log(accepted + prior q_bin) - log(rejected + prior (1 - q_bin))``."""
+    shrunk = (counts + prior).log_()  # [2, P * bins]
+    torch.sub(shrunk[0], shrunk[1], out=logits)
 
 
 def _position_offsets(width: int, positions: int, bins: int, device: torch.device) -> Tensor:

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from specselect._checks import check_probability
+from specselect._checks import check_probability, check_real
 from specselect.estimators.base import (
     EPS,
     AcceptanceEstimator,
@@ -79,10 +79,12 @@ class RankingChoice(AcceptanceEstimator):
         margin: float = 0.0,
         decay: float = 0.99,
     ) -> None:
+        if learned is not None and not isinstance(learned, AcceptanceEstimator):
+            raise TypeError(
+                f"learned must be an AcceptanceEstimator or None, got {type(learned).__name__}"
+            )
         self.learned = learned if learned is not None else RequestHistory()
-        if not margin >= 0:
-            raise ValueError(f"margin must be >= 0, got {margin}")
-        self.margin = float(margin)
+        self.margin = check_real("margin", margin, low=0.0)
         self.decay = check_probability("decay", decay)
         self._stats: Tensor | None = None  # [3 + 4 * BINS], see DRAFT, LEARNED, TESTED, _split
         self._learned_estimate = Cached()  # the last estimate's learned scores, for learn
@@ -98,7 +100,7 @@ class RankingChoice(AcceptanceEstimator):
 
     def _state(self, device: torch.device) -> Tensor:
         if self._stats is None:
-            self._stats = torch.zeros(TESTED + 1 + RANKINGS * 2 * BINS, device=device)
+            self._stats = _fresh_stats(device)
         check_state_device(self, self._stats, device)
         return self._stats
 
@@ -108,7 +110,7 @@ class RankingChoice(AcceptanceEstimator):
             self._stats = self._stats.to(device)
 
     def _read(self, device: torch.device) -> Tensor:
-        return read_state(self._stats, device, self._state)
+        return read_state(self._stats, device, _fresh_stats)
 
     def log_losses(self, device: torch.device | str = "cpu") -> Tensor:
         """``[2]`` recent log-loss per tested token of the draft's probability and of the
@@ -138,12 +140,12 @@ class RankingChoice(AcceptanceEstimator):
         self._learned_estimate.keep((draft_logprobs, positions), learned)
         return torch.where(self.uses_learned(draft_logprobs.device), learned, draft_logprobs)
 
-    def learn(
+    def _learn(
         self,
         draft_logprobs: Tensor,
         tested: Tensor,
         passed: Tensor,
-        positions: Tensor | None = None,
+        positions: Tensor | None,
     ) -> None:
         learned = self._learned_estimate.take((draft_logprobs, positions))
         if learned is None:
@@ -159,7 +161,13 @@ class RankingChoice(AcceptanceEstimator):
         weights = tested.to(state.dtype).expand(rankings.shape)  # [2, B, K]
         flat = histograms.view(RANKINGS, 2 * BINS)  # [2, 2 * BINS]
         flat.scatter_add_(1, cells.view(RANKINGS, -1), weights.reshape(RANKINGS, -1))
+        # Its public learn: an estimator of one's own may implement learn itself.
         self.learned.learn(draft_logprobs, tested, passed, positions)
+
+
+def _fresh_stats(device: torch.device) -> Tensor:  # -> [3 + 4 * BINS]
+    """Statistics before any evidence (see :func:`_split`)."""
+    return torch.zeros(TESTED + 1 + RANKINGS * 2 * BINS, device=device)
 
 
 def _split(state: Tensor) -> tuple[Tensor, Tensor]:

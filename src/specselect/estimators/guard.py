@@ -63,7 +63,7 @@ class RankingGuard:
     Args:
         min_auc: below this (once there is evidence) the scores are not trusted (0.5 = no
             signal).
-        min_observations: decayed count of tested tokens before the AUC is believed.
+        min_observations: tested tokens (since the last reset) before the AUC is believed.
         decay: per-step factor on the histograms.
     """
 
@@ -73,33 +73,41 @@ class RankingGuard:
         self.min_auc = check_probability("min_auc", min_auc)
         self.min_observations = check_int("min_observations", min_observations)
         self.decay = check_probability("decay", decay)
-        # [2, BINS] decayed histograms of the scores that passed (row 0) and failed (row 1);
-        # allocated on first use on the scores' device, then only updated in place.
+        # [2, BINS] decayed histograms of the scores that passed (row 0) and failed (row 1),
+        # and [] int64 tested tokens seen, not decayed: the decayed count saturates at
+        # tested-per-step / (1 - decay), below min_observations when few tokens are tested per
+        # step, and the guard then never left its early phase. Allocated on the first step on
+        # the scores' device, then only updated in place.
         self._histograms: Tensor | None = None
+        self._tested: Tensor | None = None
 
     def reset(self) -> None:
         """Forget the evidence (in place: a captured graph keeps its buffers)."""
-        if self._histograms is not None:
+        if self._histograms is not None and self._tested is not None:
             self._histograms.zero_()
+            self._tested.zero_()
 
-    def _state(self, device: torch.device) -> Tensor:
-        if self._histograms is None:
-            self._histograms = torch.zeros(2, BINS, device=device)
+    def _state(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(histograms, tested count)``, bound on the first step."""
+        if self._histograms is None or self._tested is None:
+            self._histograms, self._tested = _no_histograms(device), _no_count(device)
         check_state_device(self, self._histograms, device)
-        return self._histograms
+        return self._histograms, self._tested
 
     def to(self, device: torch.device) -> None:
         """Move the histograms to ``device`` (copies: the evidence is kept); see
         :meth:`~specselect.estimators.AcceptanceEstimator.to`."""
-        if self._histograms is not None:
-            self._histograms = self._histograms.to(device)
+        if self._histograms is not None and self._tested is not None:
+            self._histograms, self._tested = self._histograms.to(device), self._tested.to(device)
 
-    def _read(self, device: torch.device) -> Tensor:
-        return read_state(self._histograms, device, self._state)
+    def _read(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        histograms = read_state(self._histograms, device, _no_histograms)
+        return histograms, read_state(self._tested, device, _no_count)
 
     def observe(self, estimates: Tensor, tested: Tensor, passed: Tensor) -> None:
         """``[B, K]`` estimated log-probabilities and the step's tested / passed masks."""
-        histograms = self._state(estimates.device)
+        histograms, count = self._state(estimates.device)
+        count.add_(tested.sum())
         # One scatter for both histograms: failing tokens land in the second row.
         cells = score_cells(estimates).add_(passed.logical_not(), alpha=BINS)  # [B, K]
         weights = tested.to(histograms.dtype)  # [B, K]
@@ -107,7 +115,7 @@ class RankingGuard:
 
     def auc(self, device: torch.device | str = "cpu") -> Tensor:
         """0-dim AUC of the recent estimates (0.5 when either histogram is empty)."""
-        return histogram_auc(self._read(torch.device(device)))
+        return histogram_auc(self._read(torch.device(device))[0])
 
     def trusted(self, device: torch.device | str = "cpu") -> Tensor:
         """0-dim bool: too little evidence yet, no failure seen, or AUC >= ``min_auc``.
@@ -117,7 +125,15 @@ class RankingGuard:
         window). Only failures still count as no signal: then the fixed window wastes no more
         than the scores' ranking, and less than a budget above ``k`` per row.
         """
-        histograms = self._read(torch.device(device))
-        early = histograms.sum() < self.min_observations
+        histograms, count = self._read(torch.device(device))
+        early = count < self.min_observations
         no_failures = histograms[1].sum() == 0  # []
         return early | no_failures | (histogram_auc(histograms) >= self.min_auc)
+
+
+def _no_histograms(device: torch.device) -> Tensor:  # -> [2, BINS]
+    return torch.zeros(2, BINS, device=device)
+
+
+def _no_count(device: torch.device) -> Tensor:  # -> [] int64
+    return torch.zeros((), dtype=torch.int64, device=device)

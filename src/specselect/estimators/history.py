@@ -8,15 +8,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specselect._checks import check_mask, check_real
 from specselect.constants import cached_constant
-from specselect.estimators.base import (
-    EPS,
-    AcceptanceEstimator,
-    Cached,
-    check_rows,
-    check_state_device,
-)
-from specselect.estimators.calibrated import CalibratedDraft, _check_unit
+from specselect.estimators.base import EPS, AcceptanceEstimator, Cached, check_state_device
+from specselect.estimators.calibrated import CalibratedDraft
 
 LOGIT_MAX = 12.0  # the draft-probability feature is clamped to +-LOGIT_MAX (q = 0 or 1 stay finite)
 TOKEN_FEATURES = 3  # draft log-odds, calibrated log-odds, position / 8
@@ -73,21 +68,26 @@ class RequestHistory(AcceptanceEstimator):
         draft_weight: float = 0.0,
         calibrated_weight: float = 1.0,
     ) -> None:
+        if calibration is not None and not isinstance(calibration, CalibratedDraft):
+            raise TypeError(
+                f"calibration must be a CalibratedDraft or None, got {type(calibration).__name__}"
+            )
         self.calibration = calibration if calibration is not None else CalibratedDraft()
+        if isinstance(request_decays, str) or not isinstance(request_decays, Sequence):
+            raise TypeError(
+                f"request_decays must be a sequence of floats, got {type(request_decays).__name__}"
+            )
         if len(request_decays) == 0:
             raise ValueError("request_decays must hold at least one decay factor")
         self.request_decays = tuple(
-            _check_unit("request_decays", d, closed_low=True) for d in request_decays
+            check_real(f"request_decays[{i}]", d, low=0.0, high=1.0)
+            for i, d in enumerate(request_decays)
         )
-        if not strength > 0:
-            raise ValueError(f"strength must be > 0, got {strength}")
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
-        self.strength = float(strength)
-        self.lr = float(lr)
-        self.history_weight = float(history_weight)
-        self.draft_weight = float(draft_weight)
-        self.calibrated_weight = float(calibrated_weight)
+        self.strength = check_real("strength", strength, low=0.0, open_low=True)
+        self.lr = check_real("lr", lr, low=0.0, open_low=True)
+        self.history_weight = check_real("history_weight", history_weight)
+        self.draft_weight = check_real("draft_weight", draft_weight)
+        self.calibrated_weight = check_real("calibrated_weight", calibrated_weight)
         # Shared state: [F] weights, [2] decayed accepted / rejected counts of the whole batch,
         # [S] the request decays.
         self._weights: Tensor | None = None
@@ -117,7 +117,7 @@ class RequestHistory(AcceptanceEstimator):
         slots = self._current
         if slots is None:
             return
-        rows = check_rows(rows, slots.counts.shape[1])
+        rows = check_mask("rows", rows, (slots.counts.shape[1],), slots.counts.device)
         self._estimated.clear()  # the features of these rows change
         slots.counts.masked_fill_(rows.view(1, -1, 1), 0.0)
 
@@ -201,12 +201,12 @@ class RequestHistory(AcceptanceEstimator):
         log_p = self._log_probabilities(draft_logprobs, positions)
         return torch.where(draft_logprobs > float("-inf"), log_p, float("-inf"))
 
-    def learn(
+    def _learn(
         self,
         draft_logprobs: Tensor,
         tested: Tensor,
         passed: Tensor,
-        positions: Tensor | None = None,
+        positions: Tensor | None,
     ) -> None:
         weights, slots = self._state(draft_logprobs.shape[0], draft_logprobs.device)
         assert self._batch is not None and self._decays is not None
