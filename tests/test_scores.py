@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -137,3 +139,55 @@ def test_later_siblings_are_discounted() -> None:
     expected = torch.full((1, 3), 0.5).log()
     scores = causal_logprobs(token, expected, parents).exp()[0]
     assert torch.allclose(scores, torch.tensor([0.5, 0.25, 0.125]))
+
+
+CAUSAL_BAD = {
+    # name: (token_logprobs, expected_logprobs, parents, error, message)
+    "expected one column": (torch.zeros(2, 3), torch.zeros(2, 1), None, ValueError, "shape of"),
+    "expected rank 1": (torch.zeros(2, 3), torch.zeros(3), None, ValueError, "expected_logprobs"),
+    "positive expected": (torch.zeros(2, 3), torch.ones(2, 3), None, ValueError, "positive"),
+    "positive token": (torch.ones(2, 3), torch.zeros(2, 3), None, ValueError, "token_logprobs"),
+    "NaN token": (torch.full((2, 3), math.nan), torch.zeros(2, 3), None, ValueError, "NaN"),
+    "integer token": (
+        torch.zeros(2, 3, dtype=torch.long),
+        torch.zeros(2, 3),
+        None,
+        TypeError,
+        "token_logprobs",
+    ),
+    "parent out of range": (
+        torch.zeros(2, 3),
+        torch.zeros(2, 3),
+        torch.tensor([[-1, 5, 0]] * 2),
+        ValueError,
+        r"parents\[0, 1\] = 5",
+    ),
+    "parents rows": (
+        torch.zeros(2, 3),
+        torch.zeros(2, 3),
+        torch.tensor([[-1, 0, 0]]),
+        ValueError,
+        "parents must have 2 rows",
+    ),
+    "parents width": (
+        torch.zeros(2, 3),
+        torch.zeros(2, 3),
+        torch.tensor([[-1, 0]] * 2),
+        ValueError,
+        "parents must have 3 columns",
+    ),
+    "expected device": (
+        torch.zeros(2, 3),
+        torch.zeros(2, 3, device="meta"),
+        None,
+        ValueError,
+        "expected_logprobs is on meta",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CAUSAL_BAD))
+def test_causal_logprobs_rejects_bad_input(case: str) -> None:
+    token, expected, parents, error, message = CAUSAL_BAD[case]
+    with pytest.raises(error, match=message):
+        causal_logprobs(token, expected, parents)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specselect.selection import chain_scores
-from specselect.tree import build_tree_buffers, chain_parents, check_parents
+from specselect.tree import TreeSpec, build_tree_buffers, chain_parents, check_parents
 
 
 @st.composite
@@ -96,3 +96,29 @@ def test_parents_that_are_not_a_forest_are_rejected(parents, error, match) -> No
 def test_parents_shape_must_match_the_batch() -> None:
     with pytest.raises(ValueError, match="2 rows"):
         check_parents(torch.tensor([[-1, 0]]), rows=2)
+
+
+SPEC = TreeSpec(depth=3, branch=2, width=3)
+
+
+@pytest.mark.parametrize(
+    ("depth", "sizes", "fed"), [(0, (), 0), (1, (2,), 0), (2, (2, 4), 2), (3, (2, 4, 6), 5)]
+)
+def test_level_sizes_of_the_first_levels(depth: int, sizes: tuple, fed: int) -> None:
+    """Levels hold branch x min(width, previous level) nodes; all but the last are fed."""
+    assert SPEC.level_sizes(depth) == sizes
+    assert SPEC.fed_nodes(depth) == fed
+
+
+@pytest.mark.parametrize("method", ["level_sizes", "fed_nodes"])
+@pytest.mark.parametrize(
+    ("depth", "error", "match"),
+    [
+        (4, ValueError, r"depth must be <= TreeSpec.depth = 3"),
+        (-1, ValueError, "depth must be >= 0"),
+        (2.5, TypeError, "depth must be an int"),
+    ],
+)
+def test_levels_beyond_the_tree_are_rejected(method: str, depth, error, match) -> None:
+    with pytest.raises(error, match=match):
+        getattr(SPEC, method)(depth)

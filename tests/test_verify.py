@@ -17,12 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+from specselect.selection import prefix_mask
+from specselect.tree import build_tree_buffers, chain_parents
 from specselect.verify import (
     acceptance_probs,
     greedy_verify,
     rejection_verify,
     residual_probs,
 )
+from specselect.verify_tree import tree_greedy_verify, tree_rejection_verify
 
 ALPHA = 0.001
 
@@ -407,10 +410,29 @@ def call_rejection(a: dict) -> object:
     )
 
 
+def call_tree(a: dict, *, sampled: bool) -> object:
+    """Verify the chain as a tree (parents ``j - 1``): tree verification shares the chain's
+    checks of tokens and target, so it must reject the same bad ones."""
+    rows, width = a["lengths"].shape[0], a["draft_probs"].shape[1]
+    selected = prefix_mask(a["lengths"], width)  # [B, K]
+    buffers = build_tree_buffers(chain_parents(rows, width))
+    if not sampled:
+        return tree_greedy_verify(a["draft_tokens"], selected, buffers, a["target"])
+    # [B, K + 1, V]: a tree also has the draft's distribution after its last node (unused here).
+    draft = torch.cat([a["draft_probs"], a["draft_probs"][:, -1:]], dim=1)
+    return tree_rejection_verify(
+        a["draft_tokens"], selected, buffers, draft, a["target"], sampled_children=True
+    )
+
+
 VERIFIERS = {
-    "greedy": (call_greedy, "target_logits"),
-    "rejection": (call_rejection, "target_probs"),
+    # name: (call, name of its target argument, name of its tokens argument)
+    "greedy": (call_greedy, "target_logits", "draft_tokens"),
+    "rejection": (call_rejection, "target_probs", "draft_tokens"),
+    "tree-greedy": (lambda a: call_tree(a, sampled=False), "target_logits", "tokens"),
+    "tree-rejection": (lambda a: call_tree(a, sampled=True), "target_probs", "tokens"),
 }
+CHAIN_VERIFIERS = ("greedy", "rejection")
 
 SHARED_BAD = {
     # name: (change to the valid arguments, error, argument named in the message)
@@ -424,17 +446,25 @@ SHARED_BAD = {
     "list tokens": (lambda a: {"draft_tokens": [[0, 1, 2]] * 2}, TypeError, "draft_tokens"),
     "token >= V": (lambda a: {"draft_tokens": a["draft_tokens"] + 5}, ValueError, "draft_tokens"),
     "token < 0": (lambda a: {"draft_tokens": a["draft_tokens"] - 5}, ValueError, "draft_tokens"),
-    "lengths rank 2": (lambda a: {"lengths": a["lengths"][None]}, ValueError, "lengths"),
-    "float lengths": (lambda a: {"lengths": a["lengths"] * 1.0}, TypeError, "lengths"),
-    "lengths batch": (lambda a: {"lengths": torch.tensor([0, 1, 2])}, ValueError, "lengths"),
-    "negative length": (lambda a: {"lengths": torch.tensor([-1, 0])}, ValueError, "lengths"),
-    "length > K": (lambda a: {"lengths": torch.tensor([0, 4])}, ValueError, "lengths"),
     "target rank 2": (lambda a: {"target": a["target"][:, 0]}, ValueError, "target"),
     "target batch": (lambda a: {"target": a["target"][:1]}, ValueError, "target"),
     "target K, not K+1": (lambda a: {"target": a["target"][:, :3]}, ValueError, "target"),
     "integer target": (lambda a: {"target": a["target"].long()}, TypeError, "target"),
     "NaN target": (lambda a: {"target": a["target"] * math.nan}, ValueError, "target"),
+    "target device": (lambda a: {"target": a["target"].to("meta")}, ValueError, "target"),
 }
+
+LENGTHS_BAD = {
+    "lengths rank 2": (lambda a: {"lengths": a["lengths"][None]}, ValueError, "lengths"),
+    "float lengths": (lambda a: {"lengths": a["lengths"] * 1.0}, TypeError, "lengths"),
+    "lengths batch": (lambda a: {"lengths": torch.tensor([0, 1, 2])}, ValueError, "lengths"),
+    "negative length": (lambda a: {"lengths": torch.tensor([-1, 0])}, ValueError, "lengths"),
+    "length > K": (lambda a: {"lengths": torch.tensor([0, 4])}, ValueError, "lengths"),
+}
+
+BAD_CASES = [(v, c) for v in VERIFIERS for c in SHARED_BAD] + [
+    (v, c) for v in CHAIN_VERIFIERS for c in LENGTHS_BAD
+]
 
 REJECTION_BAD = {
     "draft_probs V": (lambda a: {"draft_probs": a["draft_probs"][..., :4]}, "draft_probs"),
@@ -444,19 +474,21 @@ REJECTION_BAD = {
     "draft_probs NaN": (lambda a: {"draft_probs": a["draft_probs"] * math.nan}, "draft_probs"),
     "target_probs > 1": (lambda a: {"target": a["target"] * 5.0}, "target_probs"),
     "int draft_probs": (lambda a: {"draft_probs": a["draft_probs"].long()}, "draft_probs"),
+    "draft_probs device": (lambda a: {"draft_probs": a["draft_probs"].to("meta")}, "draft_probs"),
     "generator": (lambda a: {"generator": 7}, "generator"),
 }
 
 
-@pytest.mark.parametrize("verifier", list(VERIFIERS))
-@pytest.mark.parametrize("case", list(SHARED_BAD))
+@pytest.mark.parametrize(("verifier", "case"), BAD_CASES)
 def test_bad_input_is_rejected(verifier: str, case: str) -> None:
-    call, target_name = VERIFIERS[verifier]
-    change, error, name = SHARED_BAD[case]
+    call, target_name, tokens_name = VERIFIERS[verifier]
+    change, error, name = {**SHARED_BAD, **LENGTHS_BAD}[case]
     args = valid_args()
     call(args)  # the unchanged arguments are fine
     args.update(change(args))
-    with pytest.raises(error, match=target_name if name == "target" else name):
+    with pytest.raises(
+        error, match={"target": target_name, "draft_tokens": tokens_name}.get(name, name)
+    ):
         call(args)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -44,7 +47,8 @@ def greedy_cases(draw: st.DrawFn):
         dtype=torch.int64,
     ).reshape(rows, nodes)
     tokens = torch.tensor(
-        draw(st.lists(st.integers(0, vocab - 1), min_size=rows * nodes, max_size=rows * nodes))
+        draw(st.lists(st.integers(0, vocab - 1), min_size=rows * nodes, max_size=rows * nodes)),
+        dtype=torch.int64,  # an empty list would make a float tensor
     ).reshape(rows, nodes)
     keep = torch.tensor(
         draw(st.lists(st.booleans(), min_size=rows * nodes, max_size=rows * nodes)),
@@ -207,3 +211,102 @@ def test_bad_shapes_are_rejected() -> None:
         tree_greedy_verify(
             torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), buffers, torch.zeros(2, 4, 5)
         )
+
+
+def valid_tree_args(rows: int = 2, vocab: int = 5) -> dict:
+    """Arguments both tree verifiers accept: node 3 sits at depth 3, node 0 has two children."""
+    gen = torch.Generator().manual_seed(0)
+    parents = torch.tensor([[-1, 0, 0, 2]]).expand(rows, 4)
+    logits = torch.randn(rows, 5, vocab, generator=gen)
+    return {
+        "tokens": torch.randint(0, vocab, (rows, 4), generator=gen),
+        "selected": torch.ones(rows, 4, dtype=torch.bool),
+        "buffers": build_tree_buffers(parents),
+        "target": logits,
+        "draft_probs": torch.softmax(torch.randn(rows, 5, vocab, generator=gen), -1),
+    }
+
+
+def call_tree_greedy(a: dict) -> object:
+    return tree_greedy_verify(a["tokens"], a["selected"], a["buffers"], a["target"])
+
+
+def call_tree_rejection(a: dict) -> object:
+    return tree_rejection_verify(
+        a["tokens"],
+        a["selected"],
+        a["buffers"],
+        a["draft_probs"],
+        torch.softmax(a["target"], -1) if a["target"].is_floating_point() else a["target"],
+        sampled_children=True,
+        max_depth=a.get("max_depth", 3),
+        max_children=a.get("max_children", 2),
+    )
+
+
+# Bad tokens and targets: test_verify.py runs its table through both tree verifiers too.
+TREE_REJECTION_BAD = {
+    "selected device": (lambda a: {"selected": a["selected"].to("meta")}, "selected is on"),
+    "draft_probs N + 1": (lambda a: {"draft_probs": torch.full((2, 9, 5), 0.2)}, "draft_probs"),
+    "draft_probs V": (lambda a: {"draft_probs": a["draft_probs"][..., :3]}, "draft_probs"),
+    "draft_probs NaN": (lambda a: {"draft_probs": a["draft_probs"] * math.nan}, "draft_probs"),
+    "draft_probs device": (lambda a: {"draft_probs": a["draft_probs"].to("meta")}, "draft_probs"),
+    "max_depth float": (lambda a: {"max_depth": 2.5}, "max_depth must be an int"),
+    "max_depth < 1": (lambda a: {"max_depth": -5}, "max_depth must be >= 1"),
+    "max_children 0": (lambda a: {"max_children": 0}, "max_children must be >= 1"),
+    "max_children < 0": (lambda a: {"max_children": -3}, "max_children must be >= 1"),
+    "node deeper than max_depth": (
+        lambda a: {"max_depth": 2},
+        r"max_depth = 2, but selected node 3 of row 0 is at depth 3",
+    ),
+    "more children than max_children": (
+        lambda a: {"max_children": 1},
+        r"max_children = 1, but node 0 of row 0 has 2 selected children",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TREE_REJECTION_BAD))
+def test_bad_tree_rejection_input_is_rejected(case: str) -> None:
+    change, name = TREE_REJECTION_BAD[case]
+    args = valid_tree_args()
+    call_tree_rejection(args)  # the unchanged arguments are fine
+    args.update(change(args))
+    with pytest.raises((ValueError, TypeError), match=name):
+        call_tree_rejection(args)
+
+
+@pytest.mark.parametrize("call", [call_tree_greedy, call_tree_rejection])
+def test_tree_checks_read_no_values_on_meta_tensors(call: Callable[[dict], object]) -> None:
+    """Meta tensors carry no data: a value check (or any host read) would raise here. The
+    selection breaks both walk bounds, which only a value check could see."""
+    args = {
+        k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in valid_tree_args().items()
+    }
+    args["buffers"] = build_tree_buffers(torch.tensor([[-1, 0, 0, 2]] * 2, device="meta"))
+    verdict = call({**args, "max_depth": 1, "max_children": 1})
+    assert verdict.num_accepted.shape == verdict.next_token.shape == (2,)
+
+
+def test_tree_sampling_computes_in_the_wider_input_dtype() -> None:
+    """Like chains, the walk runs in the wider of draft_probs' and target_probs' dtypes: which
+    input carries float64 does not change the draws (float32 uniforms would)."""
+    a = valid_tree_args(rows=64)
+    # Values exact in float32, so that only the dtypes differ between the runs.
+    target = torch.softmax(a["target"], -1).float().double()
+
+    def run(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        verdict = tree_rejection_verify(
+            a["tokens"],
+            a["selected"],
+            a["buffers"],
+            draft,
+            target,
+            sampled_children=True,
+            generator=torch.Generator().manual_seed(3),
+        )
+        return torch.stack([verdict.num_accepted, verdict.next_token])
+
+    draft = a["draft_probs"].float().double()
+    assert torch.equal(run(draft.float(), target), run(draft, target))
+    assert torch.equal(run(draft, target.float()), run(draft, target))

@@ -178,6 +178,25 @@ def check_mask(name: str, value: object, shape: tuple[int, ...], device: torch.d
     return t
 
 
+def check_integer_tensor(name: str, value: object, *, rank: int, what: str = "") -> Tensor:
+    """Raise unless ``value`` is an integer (not bool) tensor of the given rank.
+
+    ``what`` completes the message ("of token ids"): floats would be truncated and bools read as
+    0/1 by the indexing that follows, so both are type errors rather than conversions.
+    """
+    t = check_tensor(name, value, rank=rank)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"{name} must be an integer tensor{what and ' ' + what}, got {t.dtype}")
+    return t
+
+
+def check_same_device(name: str, t: Tensor, reference_name: str, reference: Tensor) -> Tensor:
+    """Raise unless ``t`` lives on ``reference``'s device (a metadata check)."""
+    if t.device != reference.device:
+        raise ValueError(f"{name} is on {t.device} but {reference_name} is on {reference.device}")
+    return t
+
+
 def check_row_ints(name: str, value: object, batch: int, device: torch.device) -> Tensor:
     """Check a per-row integer tensor of shape ``[batch]`` on ``device`` (any values)."""
     return check_ints(name, value, (batch,), device)
@@ -185,9 +204,7 @@ def check_row_ints(name: str, value: object, batch: int, device: torch.device) -
 
 def check_ints(name: str, value: object, shape: tuple[int, ...], device: torch.device) -> Tensor:
     """Check an integer tensor of ``shape`` on ``device`` (any values)."""
-    t = check_tensor(name, value, rank=len(shape))
-    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
-        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    t = check_integer_tensor(name, value, rank=len(shape))
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(t.shape)}")
     if t.device != device:

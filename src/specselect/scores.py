@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from specselect._checks import check_logprobs, check_same_device
+
 
 def expected_self_logprob(draft_probs: Tensor) -> Tensor:
     """``log sum_x q(x)^2`` per position: the draft's expected probability of its own sample.
@@ -59,6 +61,11 @@ def causal_logprobs(
             after ``m - 1`` rejections: its expected term is discounted by
             ``(1 - E)^(m - 1)`` with ``E = exp(expected_logprobs)``.
 
+    Raises:
+        TypeError, ValueError: an input is not a log-probability tensor of the same ``[B, K]``
+            shape (values are checked where :mod:`specselect._checks` allows reading them), or
+            ``parents`` is not a forest (:func:`specselect.tree.check_parents`).
+
     Returns:
         ``[B, K]`` values <= 0 whose sum along each root-to-node path is the running minimum,
         along that path, of ``(sum of token_logprobs over strict ancestors) + expected term``.
@@ -66,12 +73,22 @@ def causal_logprobs(
         rank among its siblings — never on its own token or a later sibling's. A ``-inf`` token
         log-prob makes every descendant ``-inf`` but not the node itself.
     """
-    if parents is None:
-        from specselect.tree import chain_parents
+    from specselect.tree import chain_parents, check_parents, path_reduce, sibling_rank
 
-        rows, width = token_logprobs.shape
+    token_logprobs = check_logprobs("token_logprobs", token_logprobs)
+    expected_logprobs = check_logprobs("expected_logprobs", expected_logprobs)
+    if expected_logprobs.shape != token_logprobs.shape:
+        raise ValueError(
+            "expected_logprobs must have the shape of token_logprobs "
+            f"{tuple(token_logprobs.shape)} (one value per node), got "
+            f"{tuple(expected_logprobs.shape)}"
+        )
+    check_same_device("expected_logprobs", expected_logprobs, "token_logprobs", token_logprobs)
+    rows, width = token_logprobs.shape
+    if parents is None:
         parents = chain_parents(rows, width, device=token_logprobs.device)
-    from specselect.tree import path_reduce, sibling_rank
+    parents = check_parents(parents, rows=rows, width=width)
+    check_same_device("parents", parents, "token_logprobs", token_logprobs)
 
     tokens = token_logprobs.to(torch.promote_types(token_logprobs.dtype, torch.float32))
     expected = expected_logprobs.to(tokens.dtype)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specselect._checks import _values_checkable, check_int, check_tensor
+from specselect._checks import _values_checkable, check_int, check_integer_tensor
 
 NEG_INF = float("-inf")
 
@@ -69,11 +69,24 @@ class TreeSpec:
             )
 
     def level_sizes(self, depth: int | None = None) -> tuple[int, ...]:
-        """Nodes per level for the first ``depth`` levels (default: all of them)."""
+        """Nodes per level for the first ``depth`` levels, ``0..self.depth`` (default: all)."""
+        levels = self._levels(depth)
         sizes = [self.branch]
-        for _ in range(1, self.depth if depth is None else depth):
+        for _ in range(1, levels):
             sizes.append(min(self.width, sizes[-1]) * self.branch)
-        return tuple(sizes[: self.depth if depth is None else depth])
+        return tuple(sizes[:levels])
+
+    def _levels(self, depth: int | None) -> int:
+        """``depth`` checked against the tree: levels beyond ``self.depth`` are never drafted."""
+        if depth is None:
+            return self.depth
+        levels = check_int("depth", depth, minimum=0)
+        if levels > self.depth:
+            raise ValueError(
+                f"depth must be <= TreeSpec.depth = {self.depth} (the tree has no deeper "
+                f"levels), got {levels}"
+            )
+        return levels
 
     @property
     def num_nodes(self) -> int:
@@ -81,7 +94,8 @@ class TreeSpec:
         return sum(self.level_sizes())
 
     def fed_nodes(self, depth: int | None = None) -> int:
-        """Frontier nodes fed to the draft in one step of the first ``depth`` levels."""
+        """Frontier nodes fed to the draft in one step of the first ``depth`` levels
+        (``0..self.depth``; default: all)."""
         sizes = self.level_sizes(depth)
         return sum(min(self.width, size) for size in sizes[:-1])
 
@@ -174,9 +188,7 @@ def check_parents(parents: object, *, rows: int | None = None, width: int | None
         ValueError: wrong shape, a parent index outside ``[-1, j)`` for node ``j`` (a child
             before its parent, a self-loop, or a cycle all show up this way).
     """
-    t = check_tensor("parents", parents, rank=2)
-    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
-        raise TypeError(f"parents must be an integer tensor, got {t.dtype}")
+    t = check_integer_tensor("parents", parents, rank=2)
     if rows is not None and t.shape[0] != rows:
         raise ValueError(f"parents must have {rows} rows (one tree per request), got {t.shape[0]}")
     if width is not None and t.shape[1] != width:

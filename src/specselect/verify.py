@@ -17,7 +17,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specselect._checks import _values_checkable, check_counts, check_tensor
+from specselect._checks import (
+    _values_checkable,
+    check_counts,
+    check_integer_tensor,
+    check_same_device,
+)
 from specselect.sampling import (
     check_floating,
     check_generator,
@@ -100,8 +105,9 @@ def rejection_verify(
     """
     draft_tokens, lengths, vocab = _check_chain(draft_tokens, lengths, target_probs, "target_probs")
     target_probs = check_probs("target_probs", target_probs, rank=3)
-    draft_probs = check_probs("draft_probs", draft_probs, rank=3)
-    _check_same_shape("draft_probs", draft_probs, (*draft_tokens.shape, vocab), target_probs)
+    draft_probs = _check_draft_probs(
+        draft_probs, (*draft_tokens.shape, vocab), target_probs, layout="[B, K, V]"
+    )
     check_generator(generator, target_probs.device)
     batch, width = draft_tokens.shape
     dtype = compute_dtype(torch.promote_types(draft_probs.dtype, target_probs.dtype))
@@ -193,48 +199,55 @@ def _check_chain(
     ``target`` must be ``[B, K + 1, V]`` with ``B, K`` from ``draft_tokens``; token ids must lie
     in ``[0, V)`` and ``lengths`` in ``[0, K]`` (values checked where reading them is free).
     """
-    tokens = check_tensor("draft_tokens", draft_tokens, rank=2)
-    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
-        raise TypeError(f"draft_tokens must be an integer tensor of token ids, got {tokens.dtype}")
+    tokens, target_t = _check_tokens_and_target(
+        "draft_tokens", draft_tokens, target_name, target, layout="[B, K + 1, V]"
+    )
     batch, width = tokens.shape
-    target_t = check_floating(target_name, target, rank=3)
-    if target_t.shape[:2] != (batch, width + 1):
-        raise ValueError(
-            f"{target_name} must have shape [B, K + 1, V] = [{batch}, {width + 1}, V] for "
-            f"draft_tokens of shape {tuple(tokens.shape)}, got {tuple(target_t.shape)}"
-        )
-    if target_t.device != tokens.device:
-        raise ValueError(
-            f"{target_name} is on {target_t.device} but draft_tokens on {tokens.device}"
-        )
-    vocab = target_t.shape[2]
     counts = check_counts("lengths", lengths, batch, tokens.device)
     if _values_checkable(counts) and counts.numel() and bool((counts > width).any()):
         raise ValueError(
             f"lengths must be <= K = {width} (the draft window), got max {int(counts.max())}"
         )
-    if (
-        _values_checkable(tokens)
-        and tokens.numel()
-        and not bool(((tokens >= 0) & (tokens < vocab)).all())
-    ):
-        raise ValueError(
-            f"draft_tokens must be token ids in [0, {vocab}) (V from {target_name}), got values "
-            f"in [{int(tokens.min())}, {int(tokens.max())}]"
-        )
-    return tokens.to(torch.int64), counts.to(torch.int64), vocab
+    return tokens, counts.to(torch.int64), target_t.shape[2]
 
 
-def _check_same_shape(
-    name: str,
-    value: Tensor,
-    expected: tuple[int, ...],
-    reference: Tensor,
-) -> None:
-    """Raise unless ``value`` has shape ``expected`` and lives on ``reference``'s device."""
-    if tuple(value.shape) != expected:
+def _check_tokens_and_target(
+    tokens_name: str, tokens: object, target_name: str, target: object, *, layout: str
+) -> tuple[Tensor, Tensor]:
+    """Check draft tokens ``[B, M]`` against the target's output ``[B, M + 1, V]``.
+
+    Shared by chain (``M = K``) and tree (``M = N``) verification, so both accept exactly the
+    same inputs: integer token ids in ``[0, V)`` (the verifiers index with them, so a float would
+    be truncated and an out-of-range id would read another row's memory or fail deep inside), a
+    floating target on the tokens' device. Token values are checked only where
+    :mod:`specselect._checks` allows reading them. Returns int64 tokens and the target.
+    """
+    ids = check_integer_tensor(tokens_name, tokens, rank=2, what="of token ids")
+    batch, width = ids.shape
+    target_t = check_floating(target_name, target, rank=3)
+    if target_t.shape[:2] != (batch, width + 1):
         raise ValueError(
-            f"{name} must have shape [B, K, V] = {list(expected)}, got {tuple(value.shape)}"
+            f"{target_name} must have shape {layout} = [{batch}, {width + 1}, V] for "
+            f"{tokens_name} of shape {tuple(ids.shape)}, got {tuple(target_t.shape)}"
         )
-    if value.device != reference.device:
-        raise ValueError(f"{name} is on {value.device} but target_probs is on {reference.device}")
+    check_same_device(target_name, target_t, tokens_name, ids)
+    vocab = target_t.shape[2]
+    if _values_checkable(ids) and ids.numel() and not bool(((ids >= 0) & (ids < vocab)).all()):
+        raise ValueError(
+            f"{tokens_name} must be token ids in [0, {vocab}) (V from {target_name}), got "
+            f"values in [{int(ids.min())}, {int(ids.max())}]"
+        )
+    return ids.to(torch.int64), target_t
+
+
+def _check_draft_probs(
+    value: object, expected: tuple[int, ...], target_probs: Tensor, *, layout: str
+) -> Tensor:
+    """Check ``draft_probs``: probabilities of shape ``expected`` on ``target_probs``' device."""
+    draft_probs = check_probs("draft_probs", value, rank=3)
+    if tuple(draft_probs.shape) != expected:
+        raise ValueError(
+            f"draft_probs must have shape {layout} = {list(expected)}, got "
+            f"{tuple(draft_probs.shape)}"
+        )
+    return check_same_device("draft_probs", draft_probs, "target_probs", target_probs)

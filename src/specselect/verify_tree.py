@@ -29,10 +29,21 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specselect._checks import check_tensor
-from specselect.sampling import check_generator, compute_dtype, sample_from
+from specselect._checks import _values_checkable, check_int, check_same_device, check_tensor
+from specselect.sampling import (
+    check_generator,
+    check_logits,
+    check_probs,
+    compute_dtype,
+    sample_from,
+)
 from specselect.tree import TreeBuffers
-from specselect.verify import gather_columns, residual_probs
+from specselect.verify import (
+    _check_draft_probs,
+    _check_tokens_and_target,
+    gather_columns,
+    residual_probs,
+)
 
 
 @dataclass(frozen=True)
@@ -70,25 +81,78 @@ def _verdict(buffers: TreeBuffers, last_node: Tensor, next_token: Tensor) -> Tre
 
 
 def _check_tree_args(
-    tokens: object, selected: object, buffers: TreeBuffers, target: object, name: str
+    tokens: object, selected: object, buffers: TreeBuffers, target_name: str, target: object
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """Check the arguments both tree verifiers share; return int64 tokens, selected, target.
+
+    Tokens and target go through the same checks as chains' (:mod:`specselect.verify`), so a
+    tree accepts exactly what a chain accepts; the tree adds the node count of ``buffers``.
+    """
     rows, nodes = buffers.parents.shape
-    tokens = check_tensor("tokens", tokens, rank=2)
-    selected = check_tensor("selected", selected, rank=2)
-    target = check_tensor(name, target, rank=3)
-    if tokens.shape != (rows, nodes):
-        raise ValueError(f"tokens must have shape [{rows}, {nodes}], got {tuple(tokens.shape)}")
-    if selected.shape != (rows, nodes) or selected.dtype != torch.bool:
+    ids, target_t = _check_tokens_and_target(
+        "tokens", tokens, target_name, target, layout="[B, N + 1, V]"
+    )
+    if ids.shape != (rows, nodes):
+        raise ValueError(
+            f"tokens must have shape [{rows}, {nodes}] (one per node of buffers), got "
+            f"{tuple(ids.shape)}"
+        )
+    check_same_device("buffers", buffers.parents, "tokens", ids)
+    chosen = check_tensor("selected", selected, rank=2)
+    if chosen.shape != (rows, nodes) or chosen.dtype != torch.bool:
         raise ValueError(
             f"selected must be a bool tensor of shape [{rows}, {nodes}], got "
-            f"{selected.dtype} {tuple(selected.shape)}"
+            f"{chosen.dtype} {tuple(chosen.shape)}"
         )
-    if target.shape[:2] != (rows, nodes + 1):
-        raise ValueError(
-            f"{name} must have shape [{rows}, {nodes + 1}, V] (root + one column per node), "
-            f"got {tuple(target.shape)}"
-        )
-    return tokens.to(torch.int64), selected, target
+    check_same_device("selected", chosen, "tokens", ids)
+    return ids, chosen, target_t
+
+
+def _walk_bound(name: str, value: object, nodes: int) -> int:
+    """The static loop bound for ``max_depth``/``max_children``: an int >= 1, or ``N`` if None.
+
+    Capping at ``N`` loses nothing (no tree of ``N`` nodes is deeper or has more children) and
+    keeps the unrolled loop small.
+    """
+    return nodes if value is None else min(check_int(name, value, minimum=1), nodes)
+
+
+def _check_within_bounds(
+    selected: Tensor,  # [B, N] bool
+    buffers: TreeBuffers,
+    max_depth: int | None,
+    max_children: int | None,
+) -> None:
+    """Raise if the walk's static bounds would skip selected nodes (a value check).
+
+    The walk visits ``max_depth`` levels and ``max_children`` children per node; a selected node
+    beyond them would silently never be verified, so the bounds are promises the caller must
+    keep. Runs only where :mod:`specselect._checks` allows reading values.
+    """
+    if not (selected.numel() and _values_checkable(selected) and _values_checkable(buffers.depth)):
+        return
+    if max_depth is not None:
+        deep = selected & (buffers.depth > max_depth)  # [B, N]
+        if bool(deep.any()):
+            row, node = (int(v) for v in deep.nonzero()[0])
+            raise ValueError(
+                f"max_depth = {max_depth}, but selected node {node} of row {row} is at depth "
+                f"{int(buffers.depth[row, node])}: the walk would never verify it"
+            )
+    if max_children is not None:
+        # [B, N + 1]: selected children of the root (column 0) and of each node.
+        counts = torch.zeros(
+            selected.shape[0], selected.shape[1] + 1, dtype=torch.int64, device=selected.device
+        ).scatter_add_(1, buffers.parents + 1, selected.to(torch.int64))
+        over = counts > max_children  # [B, N + 1]
+        if bool(over.any()):
+            row, column = (int(v) for v in over.nonzero()[0])
+            parent = "the root" if column == 0 else f"node {column - 1}"
+            raise ValueError(
+                f"max_children = {max_children}, but {parent} of row {row} has "
+                f"{int(counts[row, column])} selected children: the walk would never verify "
+                "the later ones"
+            )
 
 
 def _deepest(key: Tensor) -> Tensor:  # [B, N] int64, 0 = not a candidate -> [B]
@@ -107,8 +171,9 @@ def tree_greedy_verify(
 ) -> TreeVerdict:
     """Accept the deepest selected path whose every token equals the target's argmax."""
     tokens, selected, target_logits = _check_tree_args(
-        tokens, selected, buffers, target_logits, "target_logits"
+        tokens, selected, buffers, "target_logits", target_logits
     )
+    target_logits = check_logits("target_logits", target_logits)
     argmax = target_logits.argmax(dim=-1)  # [B, N + 1]
     expected = argmax.gather(1, buffers.parents + 1)  # [B, N]: prediction after each parent
     good = selected & (tokens == expected)  # [B, N]
@@ -138,28 +203,39 @@ def tree_rejection_verify(
     """Lossless speculative sampling over a tree (see the module docstring).
 
     Args:
-        tokens: ``[B, N]`` draft token of each node.
+        tokens: ``[B, N]`` integer draft token of each node, a valid id in ``[0, V)``.
         selected: ``[B, N]`` bool, the nodes the target verified (closed under ancestors).
         buffers: the trees' :class:`~specselect.tree.TreeBuffers`.
         draft_probs: ``[B, N + 1, V]`` draft distribution at the root (column 0) and after each
-            node — the distribution that node's children were sampled from. Unused when
-            ``sampled_children`` is False.
+            node — the distribution that node's children were sampled from. Unused (and not
+            checked) when ``sampled_children`` is False.
         target_probs: ``[B, N + 1, V]`` target distributions, same columns, warped like the
             draft's.
         sampled_children: True if each node's children were drawn independently from the
             draft distribution at that node; False for deterministic children (e.g. top-k).
-        max_depth: deepest level to walk (static); defaults to ``N``.
-        max_children: most selected children of one node (static); defaults to ``N``.
+        max_depth: deepest level to walk (static, an int >= 1); defaults to ``N``. No
+            selected node may be deeper (checked where values are readable).
+        max_children: most selected children of one node (static, an int >= 1); defaults to
+            ``N``. No node may have more selected children (checked likewise).
         generator: optional ``torch.Generator``.
     """
     tokens, selected, target_probs = _check_tree_args(
-        tokens, selected, buffers, target_probs, "target_probs"
+        tokens, selected, buffers, "target_probs", target_probs
     )
+    target_probs = check_probs("target_probs", target_probs, rank=3)
+    # Deterministic children propose point masses: draft_probs is not read then.
+    wide = target_probs.dtype
+    if sampled_children:
+        draft_probs = _check_draft_probs(
+            draft_probs, tuple(target_probs.shape), target_probs, layout="[B, N + 1, V]"
+        )
+        wide = torch.promote_types(draft_probs.dtype, wide)
+    dtype = compute_dtype(wide)  # as for chains: the wider of the two, float32 at least
     check_generator(generator, target_probs.device)
     rows, nodes = tokens.shape
-    dtype = compute_dtype(target_probs.dtype)
-    depth_limit = nodes if max_depth is None else min(max_depth, nodes)
-    child_limit = nodes if max_children is None else min(max_children, nodes)
+    depth_limit = _walk_bound("max_depth", max_depth, nodes)
+    child_limit = _walk_bound("max_children", max_children, nodes)
+    _check_within_bounds(selected, buffers, max_depth, max_children)
     device = tokens.device
     batch = torch.arange(rows, device=device)
 
