@@ -84,7 +84,7 @@ class AcceptanceEstimator(abc.ABC):
         mask of the wrong shape used to fail inside a scatter, after the counts had decayed);
         :meth:`_learn` is what an estimator implements.
         """
-        check_outcomes(draft_logprobs, tested, passed, positions)
+        check_learn_arguments(draft_logprobs, tested, passed, positions)
         self._learn(draft_logprobs, tested, passed, positions)
 
     def _learn(  # noqa: B027
@@ -171,7 +171,7 @@ def check_state_device(owner: object, state: Tensor, device: torch.device) -> No
         )
 
 
-def check_outcomes(
+def check_learn_arguments(
     draft_logprobs: object, tested: object, passed: object, positions: object
 ) -> None:
     """Check :meth:`AcceptanceEstimator.learn`'s arguments: ``[B, K]`` floating log-probs,

@@ -23,14 +23,13 @@ chain of that depth.
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from collections.abc import Hashable
 from typing import Any
 
 from torch import Tensor
 
-from specselect._checks import check_int, check_probability
+from specselect._checks import check_int, check_probability, check_real
 from specselect.cost import CostModel, default_cost_model
 from specselect.selection import Selection, Selector, available_lengths, mask_inactive
 from specselect.tree import available_nodes
@@ -152,7 +151,7 @@ class DSDSelector(Selector):
             )
         self.interval = check_int("interval", interval, minimum=1)
         self.alpha0 = check_probability("alpha0", alpha0)
-        self.context = _check_context(context)
+        self.context = check_real("context", context, low=0.0)  # mean tokens in the cache
         self.reset()
 
     def reset(self) -> None:
@@ -250,12 +249,3 @@ class DSDSelector(Selector):
         """The comparison's cost model, which DSD plans its windows with."""
         kwargs = super().spec_kwargs(estimator, cost_model)
         return kwargs if cost_model is None else {**kwargs, "cost_model": cost_model}
-
-
-def _check_context(value: object) -> float:
-    """``context`` must be a finite real >= 0 (a mean number of tokens in the cache)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"context must be a float >= 0, got {type(value).__name__}")
-    if not math.isfinite(float(value)) or value < 0:
-        raise ValueError(f"context must be a finite float >= 0, got {value}")
-    return float(value)
