@@ -974,11 +974,26 @@ def test_live_progress_follows_quiet(
 
 
 def test_compare_live_progress_bar_counts_batches(
-    compare_run: dict, model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+    compare_run: dict,
+    model_dirs: dict[str, Path],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """One bar over every live run's batches (chains and trees), none for the oracle."""
+    """One bar over every live run's batches (chains and trees), none for the oracle.
+
+    The bar's final count is read when it closes: tqdm redraws at most every ``mininterval``,
+    so whether "6/6" reaches the terminal before a ``leave=False`` bar is cleared is timing."""
     pytest.importorskip("specselect.hf")
+    import tqdm.auto
     from transformers import AutoModelForCausalLM
+
+    closed: list[tuple[str, int, int]] = []
+
+    class RecordingBar(tqdm.auto.tqdm):  # type: ignore[misc, type-arg]
+        def close(self) -> None:
+            if not self.disable:  # a closed bar is disabled; close runs again on deletion
+                closed.append((self.desc, self.n, self.total))
+            super().close()
 
     from specselect import TreeSpec
     from specselect.replay import compare_live
@@ -989,10 +1004,13 @@ def test_compare_live_progress_bar_counts_batches(
     )
     traces = load_traces(compare_run["out"] / "traces.pt")  # 4 requests: 2 batches of 2
     configs = selector_grid(["tetris", "oracle"], [1], [1, 2])  # tetris chains at 2 extras
+    monkeypatch.setattr(tqdm.auto, "tqdm", RecordingBar)  # after loading: weights have bars
     capsys.readouterr()
     rows = compare_live(target, draft, traces, configs, 2, tree=TreeSpec(2, 2, 1), progress=True)
     bar = capsys.readouterr().err
     assert len(rows) == 5  # 2 chains, 1 tree (once per name and k), 2 oracles
-    assert "live" in bar and "6/6" in bar and "7/6" not in bar
+    assert "live" in bar and "0/6" in bar
+    assert closed == [("live", 6, 6)]
     compare_live(target, draft, traces, configs[:1], 2)
     assert capsys.readouterr().err == ""  # progress is off by default
+    assert len(closed) == 1
