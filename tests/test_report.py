@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -59,6 +60,19 @@ def grid_rows() -> list[ResultRow]:
         *(row("dsd", 2, extra, DSD) for extra in (1, 2, 3)),
         *(row("threshold", 2, extra, slower(DSD, extra)) for extra in (1, 2)),
     ]
+
+
+@pytest.mark.parametrize(("verified", "accepted", "vsr"), [(0, 0, None), (4, 3, 0.75)])
+def test_totals_alone_say_where_vsr_is_undefined(
+    verified: int, accepted: int, vsr: float | None
+) -> None:
+    """0 / 0 is undefined (NaN, None in ``as_dict``), never 0, which would read as "every
+    verified token was rejected"; results.json writes what ``as_dict`` says, as valid JSON."""
+    totals = Totals(2, 4, verified, accepted, 4 + accepted, 1.0)
+    assert math.isnan(totals.vsr) if vsr is None else totals.vsr == vsr
+    assert totals.as_dict()["vsr"] == vsr
+    written = json.dumps(results_json([row("threshold", 2, 1, totals)], {}), allow_nan=False)
+    assert json.loads(written)["rows"][0]["metrics"] == totals.as_dict()
 
 
 def table_lines(rows: list[ResultRow], name: str) -> list[str]:

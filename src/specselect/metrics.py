@@ -4,10 +4,15 @@ Per step, summed over active requests: ``verified`` (selected draft tokens), ``a
 tokens accepted before the first rejection), ``emitted`` (accepted + one target token per active
 request), ``active`` (active requests). Ratios are always taken over totals, never averaged over
 steps: a mean of per-step ratios over-weights nearly empty steps.
+
+A run that verified nothing has no VSR (0 / 0): :attr:`Totals.vsr` is NaN there and
+:meth:`Totals.as_dict` writes None, never 0, which would read as "every verified token was
+rejected". This is the one place that decides it; reports show an undefined value as ``-``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -50,8 +55,10 @@ class Totals:
 
     @property
     def vsr(self) -> float:
-        """Verification success rate: accepted / verified (0 when nothing was verified)."""
-        return self.accepted / self.verified if self.verified else 0.0
+        """Verification success rate: accepted / verified; NaN (undefined) when nothing was
+        verified, as in plain decoding. NaN rather than None keeps it a float that formats and
+        propagates (``f"{vsr:.2f}"`` shows ``nan``); :meth:`as_dict` turns it into None."""
+        return self.accepted / self.verified if self.verified else math.nan
 
     @property
     def tokens_per_step(self) -> float:
@@ -73,8 +80,10 @@ class Totals:
         """Emitted tokens per second (wall-clock, or modelled in replay)."""
         return self.emitted / self.seconds if self.seconds > 0 else 0.0
 
-    def as_dict(self) -> dict[str, float]:
-        return {
+    def as_dict(self) -> dict[str, float | None]:
+        """The counts and ratios, JSON-ready: an undefined ratio (:attr:`vsr` without a
+        verified token) is None, as JSON has no NaN."""
+        values: dict[str, float] = {
             "steps": self.steps,
             "active": self.active,
             "verified": self.verified,
@@ -88,3 +97,9 @@ class Totals:
             "goodput": self.goodput,
             **self.extra,
         }
+        return {key: _defined(value) for key, value in values.items()}
+
+
+def _defined(value: float) -> float | None:
+    """``value``, or None where it is undefined (NaN)."""
+    return None if isinstance(value, float) and math.isnan(value) else value

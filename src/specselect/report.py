@@ -13,8 +13,8 @@ The distinct per-step quantities shown besides tokens per step and VSR are per *
 * ``accepted / request-step``: ``tokens per step - 1``, shown because relative changes are
   clearer on it. (Accepted per verified token is the VSR itself.)
 
-A row that verified nothing has no VSR (0 / 0): it is shown as ``-`` and written as ``null``,
-not as 0, which would read as "every verified token was rejected" (and as -100% vs fixed SD).
+A metric that :class:`~specselect.metrics.Totals` leaves undefined (the VSR of a row that
+verified nothing) is shown as ``-`` and written as ``null``, and has no ratio to fixed SD.
 
 The rows are :class:`specselect.replay.ResultRow` s (re-exported here). Tables, summaries and
 plots show a selector once per ``k`` where all its ``extra`` values gave identical results
@@ -33,7 +33,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from specselect.metrics import Totals
 from specselect.replay.results import MEASURED, MODELLED, ResultRow
 
 BASELINE = "fixed"
@@ -62,16 +61,6 @@ PLOT_FILES = {
 """The plots :func:`write_report` may write, by kind; a run removes those it did not draw."""
 
 
-def _vsr(totals: Totals) -> float | None:
-    """The VSR, or None when nothing was verified (``Totals.vsr`` reports 0 there)."""
-    return totals.vsr if totals.verified else None
-
-
-def _metrics(row: ResultRow) -> dict[str, float | None]:
-    """``Totals.as_dict`` with an undefined VSR as None."""
-    return {**row.totals.as_dict(), "vsr": _vsr(row.totals)}
-
-
 def _baseline(rows: Sequence[ResultRow], k: int) -> ResultRow | None:
     for row in rows:
         if row.selector == BASELINE and row.k == k and row.budget is None:
@@ -84,7 +73,7 @@ def relative_to_baseline(row: ResultRow, rows: Sequence[ResultRow]) -> dict[str,
     base = _baseline(rows, row.k)
     if base is None:
         return dict.fromkeys(_RELATIVE)
-    mine, theirs = _metrics(row), _metrics(base)
+    mine, theirs = row.totals.as_dict(), base.totals.as_dict()
     ratios = {m: _ratio(mine[m], theirs[m]) for m in _RELATIVE}
     if row.goodput_kind != base.goodput_kind:  # modelled vs measured seconds: not comparable
         ratios["goodput"] = None
@@ -133,7 +122,7 @@ def _table_cells(rows: Sequence[ResultRow]) -> tuple[list[str], list[list[str]]]
     body = []
     for row in rows:
         rel = relative_to_baseline(row, rows)
-        m = _metrics(row)
+        m = row.totals.as_dict()
         body.append(
             [
                 row.selector,
@@ -259,7 +248,7 @@ def results_json(rows: Sequence[ResultRow], meta: dict[str, Any]) -> dict[str, A
                 "budget": row.budget,
                 "params": row.params,
                 "goodput_kind": row.goodput_kind,
-                "metrics": _metrics(row),
+                "metrics": row.totals.as_dict(),
                 "relative_to_fixed": relative_to_baseline(row, rows),
                 "calibration": row.calibration,
             }
@@ -277,8 +266,9 @@ def _within_spend(row: ResultRow, base: ResultRow) -> bool:
 
 
 def _best(rows: Sequence[ResultRow], metric: str) -> list[ResultRow]:
-    """The rows with the largest ``metric`` (a :class:`Totals` property): all of them on a tie,
-    so that a summary never picks one of equal configurations arbitrarily."""
+    """The rows with the largest ``metric`` (a :class:`~specselect.metrics.Totals` property):
+    all of them on a tie, so that a summary never picks one of equal configurations
+    arbitrarily."""
     top = max(getattr(r.totals, metric) for r in rows)
     return [r for r in rows if getattr(r.totals, metric) == top]
 
@@ -584,8 +574,8 @@ def plot_vsr_vs_extra(rows: Sequence[ResultRow], path: str | Path) -> Path:
     for ax, k in zip(axes, ks, strict=False):
         panel = [r for r in rows if r.k == k]
         for name in sorted({r.selector for r in panel}):
-            mine = sorted(  # an undefined VSR (nothing verified) is a gap, not a 0
-                ((r.extra, _nan_if_none(_vsr(r.totals))) for r in panel if r.selector == name),
+            mine = sorted(  # an undefined VSR (NaN: nothing verified) is a gap, not a 0
+                ((r.extra, r.totals.vsr) for r in panel if r.selector == name),
                 key=lambda p: -1 if p[0] is None else p[0],
             )
             xs: Sequence[Any]
@@ -601,10 +591,6 @@ def plot_vsr_vs_extra(rows: Sequence[ResultRow], path: str | Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("VSR (accepted / verified)")
     return _finish(fig, axes, Path(path))
-
-
-def _nan_if_none(value: float | None) -> float:
-    return float("nan") if value is None else value
 
 
 def calibration_error(bins: Sequence[dict[str, float]]) -> float:
