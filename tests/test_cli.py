@@ -20,7 +20,7 @@ import torch
 
 import specselect
 from specselect import cli
-from specselect.cli import default_selectors, main, read_prompts
+from specselect.cli import SEED_DEPRECATED, default_selectors, main, read_prompts
 from specselect.cost import CostModel, default_cost_model
 from specselect.metrics import Totals
 from specselect.replay import (
@@ -651,9 +651,10 @@ def test_compare_help_shows_defaults_and_names() -> None:
     assert f"ESTIMATOR from: {', '.join(spec_estimators())}" in text
     assert "none, calibrated" in text  # the paper's TETRIS is among them
     assert f"(default: {', '.join(default_selectors())})" in text
-    defaults = ["2,3,4", "1,2,3", "32", "64", "replay", "cpu", "float32", "1", "0"]
+    defaults = ["2,3,4", "1,2,3", "32", "64", "replay", "cpu", "float32", "1"]
     for value in [*defaults, "specselect-compare", "all", "none", "the shipped tiny pair"]:
         assert f"(default: {value})" in text, value
+    assert "--seed N deprecated, no effect" in text
 
 
 def test_profile_help_says_what_repeats_keep() -> None:
@@ -717,6 +718,23 @@ def test_threads_apply_to_the_run_only(
     finally:
         torch.set_num_threads(before)
     assert seen == [1, 2, 3]
+
+
+def test_compare_draws_no_random_numbers(compare_run: dict, tmp_path: Path) -> None:
+    """A run leaves torch's random state as it found it, and needs no seed to be reproducible:
+    --seed (deprecated) warns and changes nothing."""
+    torch.manual_seed(1234)
+    before = torch.random.get_rng_state()
+    results = []
+    for name, seed in (("unseeded", []), ("seeded", ["--seed", "5"])):
+        code, _, stderr = _reuse(compare_run, tmp_path / name, *seed)
+        assert code == 0, stderr
+        warnings = [f"specselect: warning: {SEED_DEPRECATED}"] if seed else []
+        assert stderr.splitlines() == warnings
+        results.append(json.loads((tmp_path / name / "results.json").read_text()))
+        assert torch.equal(torch.random.get_rng_state(), before)
+    unseeded, seeded = results
+    assert unseeded["rows"] == seeded["rows"] and "seed" not in seeded["meta"]
 
 
 def test_trace_checks_are_library_functions(compare_run: dict, model_dirs: dict[str, Path]) -> None:

@@ -58,7 +58,11 @@ SHIPPED = "shipped tiny pair"
 PLOT_SUFFIX = ".png"
 """``profile`` writes its plot next to ``--out``, with this suffix."""
 SEED_RANGE = (-(2**63), 2**64 - 1)
-"""What ``torch.manual_seed`` accepts; anything else overflows inside torch."""
+"""What ``torch.manual_seed`` accepts: the range ``--seed`` took while it seeded torch."""
+SEED_DEPRECATED = (
+    "--seed is deprecated and has no effect: compare draws no random numbers (replay and live "
+    "runs are greedy), and leaves torch's random state as it was"
+)
 
 
 class UsageError(Exception):
@@ -115,7 +119,8 @@ def _name_list(text: str) -> list[str]:
 
 
 def _seed(text: str) -> int:
-    """An argparse ``type`` for ``--seed``: an integer torch can take (it overflows otherwise)."""
+    """An argparse ``type`` for ``--seed``: an integer in :data:`SEED_RANGE` (a command line
+    that ran while ``--seed`` seeded torch runs still; one that failed fails as it did)."""
     try:
         value = int(text)
     except ValueError:
@@ -322,7 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
         "OMP_NUM_THREADS) (default: %(default)s)",
     )
     run.add_argument(
-        "--seed", type=_seed, default=0, metavar="N", help="torch seed (default: %(default)s)"
+        "--seed",
+        type=_seed,
+        default=None,
+        metavar="N",
+        help="deprecated, no effect: compare draws no random numbers (replay and live runs are "
+        "greedy), so every run is reproducible without a seed",
     )
     run.add_argument(
         "--out",
@@ -841,7 +851,8 @@ def _no_transformers_progress_bars() -> Iterator[None]:
 
 def _compare(args: argparse.Namespace) -> int:
     began = time.perf_counter()
-    torch.manual_seed(args.seed)
+    if args.seed is not None:
+        _warn(SEED_DEPRECATED)
     check_model_args(args)
     if args.tree is not None and args.mode != "live":
         raise UsageError("--tree needs --mode live: recorded traces hold chains, not trees")
@@ -899,7 +910,6 @@ def _meta(
         "k": args.k,
         "extra": args.extra,
         "budget": args.budget,
-        "seed": args.seed,
         **_models_setup(args, traces, loaded),
         "threads": torch.get_num_threads(),
         "cost_model": cost.summary(),
