@@ -20,7 +20,7 @@ import torch
 
 import specselect
 from specselect import cli
-from specselect.cli import SEED_DEPRECATED, default_selectors, main, read_prompts
+from specselect.cli import SEED_DEPRECATED, default_selectors, main
 from specselect.cost import CostModel, default_cost_model
 from specselect.metrics import Totals
 from specselect.replay import (
@@ -302,20 +302,6 @@ def test_live_oracle_replays_static_batches(live_run: dict) -> None:
     assert "`oracle`" in note and "**modelled**" in note
 
 
-@pytest.mark.parametrize(
-    ("suffix", "content", "expected"),
-    [
-        (".txt", "a\n\n b \n", ["a", " b "]),
-        (".jsonl", '{"text": "x = 1"}\n\n{"text": "y", "kind": "code"}\n', ["x = 1", "y"]),
-        (".JSONL", '{"text": "x = 1"}\n', ["x = 1"]),  # not the JSON line as a prompt
-    ],
-)
-def test_read_prompts(tmp_path: Path, suffix: str, content: str, expected: list[str]) -> None:
-    path = tmp_path / f"prompts{suffix}"
-    path.write_text(content, encoding="utf-8")
-    assert read_prompts(path) == expected
-
-
 def _bad_inputs(dirs: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], str]]:
     """Named bad command lines and a fragment of the expected error message."""
     (tmp / "empty.txt").write_text("\n \n", encoding="utf-8")
@@ -338,10 +324,16 @@ def _bad_inputs(dirs: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
             "no config.json",
         ),
         "prompts required": (models, "--prompts is required"),
-        "missing prompts": ([*models, "--prompts", str(tmp / "none.txt")], "does not exist"),
+        "missing prompts": (
+            [*models, "--prompts", str(tmp / "none.txt")],
+            f"--prompts: prompts file {str(tmp / 'none.txt')!r} does not exist",
+        ),
         "empty prompts": ([*models, "--prompts", str(tmp / "empty.txt")], "holds no prompts"),
         "unreadable prompts": ([*models, "--prompts", str(tmp / "binary.txt")], "cannot read"),
-        "bad jsonl": ([*models, "--prompts", str(tmp / "broken.jsonl")], ":2: not valid JSON"),
+        "bad jsonl": (
+            [*models, "--prompts", str(tmp / "broken.jsonl")],
+            f"--prompts: {tmp / 'broken.jsonl'}:2: not valid JSON",
+        ),
         "jsonl without text": ([*models, "--prompts", str(tmp / "notext.jsonl")], "'text'"),
         "json prompts": (
             [*models, "--prompts", str(tmp / "prompts.JSON")],

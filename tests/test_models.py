@@ -1,4 +1,5 @@
-"""The shipped tiny pair: files, offline loading, shared vocabulary, prompts, and quality.
+"""The shipped tiny pair: files, offline loading, shared vocabulary, prompts, and quality; the
+loaders of pair directories and prompt files that every entry point shares.
 
 The quality check re-measures the pair's greedy agreement with a loop written here (not the
 training script's) and compares it with the range that ``card.json`` states, so a broken
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,14 @@ from safetensors import safe_open
 from torch import Tensor
 
 import specselect.models as models
-from specselect.models import TINY_PAIR_DIR, load_prompts, load_tiny_pair
+from specselect.models import (
+    PAIR_PARTS,
+    TINY_PAIR_DIR,
+    load_pair,
+    load_prompts,
+    load_tiny_pair,
+    read_prompts,
+)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +111,75 @@ def test_missing_files_raise_a_clear_error(tmp_path, monkeypatch: pytest.MonkeyP
         load_tiny_pair()
     with pytest.raises(FileNotFoundError, match=r"prompts\.jsonl"):
         load_prompts()
+
+
+@pytest.mark.parametrize(
+    ("suffix", "content", "expected"),
+    [
+        (".txt", "a\n\n b \n", ["a", " b "]),
+        (".txt", "a\r\nb\r\n", ["a", "b"]),
+        (".txt", "a\x0cb\n", ["a\x0cb"]),  # a form feed does not end a line
+        (".jsonl", '{"text": "x = 1"}\n\n{"text": "y", "kind": "code"}\n', ["x = 1", "y"]),
+        (".JSONL", '{"text": "x = 1"}\n', ["x = 1"]),  # not the JSON line as a prompt
+        # JSON strings may hold U+2028 unescaped; it does not end a line
+        (".jsonl", '{"text": "a\u2028b"}\n', ["a\u2028b"]),
+    ],
+)
+def test_read_prompts(tmp_path: Path, suffix: str, content: str, expected: list[str]) -> None:
+    path = tmp_path / f"prompts{suffix}"
+    path.write_bytes(content.encode("utf-8"))
+    assert read_prompts(path) == expected
+
+
+BAD_PROMPTS = {
+    "missing": (None, FileNotFoundError, "prompts file '{path}' does not exist"),
+    "empty": (b"\n \n", ValueError, "prompts file '{path}' holds no prompts"),
+    "not utf-8": (b"\xff\xfe prompt", ValueError, "cannot read prompts file '{path}'"),
+    "bad json": (b'{"text": "ok"}\n\n{not json\n', ValueError, "{path}:3: not valid JSON"),
+    "no text": (b'{"text": "ok"}\n{"prompt": "x"}\n', ValueError, "{path}:2: expected an object"),
+    "text not a string": (b'{"text": 1}\n', ValueError, "{path}:1: expected an object"),
+}
+
+
+@pytest.mark.parametrize("reader", ["read_prompts", "load_prompts"])
+@pytest.mark.parametrize("case", BAD_PROMPTS)
+def test_bad_prompts_files_name_the_file_and_line(tmp_path: Path, case: str, reader: str) -> None:
+    """A prompts file and a pair directory's prompts are read alike: a bad one is an error
+    naming the file (and the line)."""
+    content, error, message = BAD_PROMPTS[case]
+    path = tmp_path / "prompts.jsonl"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(error) as raised:
+        read_prompts(path) if reader == "read_prompts" else load_prompts(tmp_path)
+    assert message.format(path=path) in str(raised.value)
+
+
+def test_load_prompts_of_a_pair_directory(tmp_path: Path) -> None:
+    records = [{"text": "def f():", "kind": "code"}, {"text": "Some prose.", "n": 2}]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+    assert load_prompts(tmp_path) == records
+    assert load_prompts(TINY_PAIR_DIR) == load_prompts()
+
+
+@pytest.mark.parametrize("missing", PAIR_PARTS)
+def test_pair_directory_needs_its_parts(tmp_path: Path, missing: str) -> None:
+    for part in PAIR_PARTS:
+        if part != missing:
+            (tmp_path / part).mkdir()
+    with pytest.raises(FileNotFoundError, match=f"has no {missing}/ \\(a pair directory holds"):
+        load_pair(tmp_path)
+
+
+def test_load_pair_reads_the_shipped_layout(pair: tuple) -> None:
+    """The shipped pair is a pair directory: load_pair gives what load_tiny_pair gives."""
+    target, draft, tokenizer = load_pair(TINY_PAIR_DIR)
+    for mine, shipped in zip((target, draft), pair[:2], strict=True):
+        assert type(mine) is type(shipped) and not mine.training
+        assert mine.config._attn_implementation == "sdpa"
+        for a, b in zip(mine.parameters(), shipped.parameters(), strict=True):
+            assert torch.equal(a, b)
+    assert tokenizer("def f(x):")["input_ids"] == pair[2]("def f(x):")["input_ids"]
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import shlex
 import sys
 import tempfile
@@ -458,42 +457,14 @@ def _add_profile_parser(commands: Any) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def read_prompts(path: Path) -> list[str]:
-    """Prompts from ``path``: ``.jsonl`` objects with a ``text`` field, else one per line.
+def _read_prompts_arg(path: Path) -> list[str]:
+    """:func:`specselect.models.read_prompts` with its errors naming ``--prompts``."""
+    from specselect.models import read_prompts
 
-    The suffix is compared case-insensitively, and ``.json`` is refused: read as text, each
-    JSON line would silently become a prompt verbatim, and a JSON document is not JSONL.
-    """
-    suffix = path.suffix.lower()
-    if suffix == ".json":
-        raise UsageError(
-            f"--prompts {str(path)!r}: a .json file is not a prompts file; expected .txt (one "
-            "prompt per line) or .jsonl (one object with a 'text' field per line)"
-        )
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"prompts file {str(path)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read prompts file {str(path)!r}: {exc}") from None
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if suffix == ".jsonl":
-        prompts = [_jsonl_text(path, n, line) for n, line in lines]
-    else:
-        prompts = [line for _, line in lines]
-    if not prompts:
-        raise UsageError(f"prompts file {str(path)!r} holds no prompts")
-    return prompts
-
-
-def _jsonl_text(path: Path, number: int, line: str) -> str:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise UsageError(f"{path}:{number}: expected an object with a string 'text' field")
-    return record["text"]
+        return read_prompts(path)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--prompts: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -577,7 +548,7 @@ def load_inputs(args: argparse.Namespace) -> Inputs:
     """Models, tokenizer and prompt texts (the shipped ones unless the user gave their own)."""
     check_model_args(args)
     check_device(args.device)
-    given = read_prompts(args.prompts) if args.prompts is not None else None
+    given = _read_prompts_arg(args.prompts) if args.prompts is not None else None
     if args.target is not None and given is None:
         raise UsageError("--prompts is required with --target/--draft")
     prompts: list[str]
@@ -623,21 +594,12 @@ def _shipped(args: argparse.Namespace) -> tuple[Any, Any, Any, list[str]]:
 
 def _from_dirs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """``(target, draft, tokenizer)`` from local directories; the tokenizer is the target's."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from specselect.models import load_models
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-        target, draft = (
-            AutoModelForCausalLM.from_pretrained(
-                path, dtype=DTYPES[args.dtype], local_files_only=True
-            )
-            .to(args.device)
-            .eval()
-            for path in (args.target, args.draft)
-        )
+        return load_models(args.target, args.draft, dtype=DTYPES[args.dtype], device=args.device)
     except (OSError, ValueError, RuntimeError) as exc:
         raise UsageError(f"cannot load the models: {exc}") from None
-    return target, draft, tokenizer
 
 
 def tokenize(tokenizer: Any, prompts: Sequence[str]) -> list[Tensor]:

@@ -1,4 +1,5 @@
-"""The tiny trained target/draft pair shipped with specselect.
+"""The tiny trained target/draft pair shipped with specselect, and the loaders of model pairs and
+prompt files that every entry point shares.
 
 Why ship a pair: selectors, verification and the HF loop need a draft that agrees with its
 target *often but not always* to be tested and demonstrated offline. Random models agree only
@@ -9,6 +10,13 @@ It is a toy for correctness tests and relative comparisons of selectors, not for
 quality claims about real models. ``tiny_pair/cost-cpu.json`` is its cost model measured on one
 CPU thread (``specselect profile``), the default of :func:`specselect.cost.default_cost_model`.
 
+One home for reading models and prompts: :func:`load_models` loads a target, a draft and a
+tokenizer from local directories (``specselect compare --target/--draft``), :func:`load_pair`
+a *pair directory* laid out like the shipped one (``target/``, ``draft/``, ``tokenizer/``,
+``prompts.jsonl``; the benchmarks' ``--pair``), :func:`load_tiny_pair` the shipped pair;
+:func:`read_prompts` reads a prompts file (``specselect compare --prompts``) and
+:func:`load_prompts` a pair directory's ``prompts.jsonl``, with the same checks and errors.
+
 ``transformers`` is imported lazily so that ``import specselect.models`` (e.g. to read
 :data:`TINY_PAIR_DIR`) stays cheap.
 """
@@ -17,19 +25,38 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        LlamaForCausalLM,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
+    )
 
-__all__ = ["TINY_PAIR_DIR", "load_prompts", "load_tiny_pair"]
+__all__ = [
+    "PAIR_PARTS",
+    "PROMPTS_FILE",
+    "TINY_PAIR_DIR",
+    "load_models",
+    "load_pair",
+    "load_prompts",
+    "load_tiny_pair",
+    "read_prompts",
+]
 
 TINY_PAIR_DIR: Path = Path(__file__).resolve().parent / "tiny_pair"
 """Package directory holding ``target/``, ``draft/``, ``tokenizer/``, ``prompts.jsonl``, the
 model card (``MODEL_CARD.md``, ``card.json``) and the measured CPU cost model
 (``cost-cpu.json``)."""
+
+PAIR_PARTS = ("target", "draft", "tokenizer")
+"""The model directories of a pair directory (:func:`load_pair`), as in :data:`TINY_PAIR_DIR`."""
+PROMPTS_FILE = "prompts.jsonl"
+"""A pair directory's prompts (:func:`load_prompts`)."""
 
 _REQUIRED = (
     "target/config.json",
@@ -38,7 +65,7 @@ _REQUIRED = (
     "draft/model.safetensors",
     "tokenizer/tokenizer.json",
     "tokenizer/tokenizer_config.json",
-    "prompts.jsonl",
+    PROMPTS_FILE,
 )
 
 
@@ -74,6 +101,92 @@ def _check_device(device: object) -> torch.device:
         raise ValueError(f"device must name a torch device (e.g. 'cpu'), got {device!r}") from err
 
 
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+
+def load_models(
+    target: str | Path,
+    draft: str | Path,
+    tokenizer: str | Path | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load ``(target, draft, tokenizer)`` from local HF directories, offline, in eval mode.
+
+    Args:
+        target: directory of the target causal LM.
+        draft: directory of the draft causal LM (it must share the target's vocabulary).
+        tokenizer: directory of the tokenizer; None: the target's directory.
+        dtype: floating-point dtype the weights are cast to.
+        device: where the models are moved.
+        attn_implementation: the attention kernel (``"sdpa"``: tree verification needs custom
+            4D masks, which FlashAttention kernels do not take); None: transformers' default.
+
+    Raises:
+        TypeError, ValueError: a bad ``dtype``, ``device`` or ``attn_implementation``.
+        OSError: a directory transformers cannot load (its own message names it).
+    """
+    dtype = _check_dtype(dtype)
+    device = _check_device(device)
+    if attn_implementation is not None and not isinstance(attn_implementation, str):
+        raise TypeError(
+            f"attn_implementation must be a str or None, got {type(attn_implementation).__name__}"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    options: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    if attn_implementation is not None:
+        options["attn_implementation"] = attn_implementation
+    # The tokenizer first: it loads in milliseconds, so a wrong directory fails before the models.
+    loaded_tokenizer = AutoTokenizer.from_pretrained(
+        target if tokenizer is None else tokenizer, local_files_only=True
+    )
+    loaded = [
+        AutoModelForCausalLM.from_pretrained(path, **options)
+        # transformers decorates PreTrainedModel.to with functools.wraps, whose typeshed stub
+        # (_Wrapped) does not bind ``self``, so mypy checks ``device`` against ``self``.
+        .to(device)  # type: ignore[arg-type]
+        .eval()
+        for path in (target, draft)
+    ]
+    return loaded[0], loaded[1], loaded_tokenizer
+
+
+def load_pair(
+    directory: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    attn_implementation: str = "sdpa",
+) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load ``(target, draft, tokenizer)`` from a pair directory laid out like the shipped one
+    (:data:`PAIR_PARTS`: ``target/``, ``draft/``, ``tokenizer/``; its prompts, in
+    ``prompts.jsonl``, are :func:`load_prompts`'s), offline, in eval mode (see
+    :func:`load_models`).
+
+    Raises:
+        FileNotFoundError: the directory lacks one of :data:`PAIR_PARTS`.
+    """
+    directory = Path(directory)
+    for part in PAIR_PARTS:
+        if not (directory / part).is_dir():
+            raise FileNotFoundError(
+                f"pair directory {str(directory)!r} has no {part}/ (a pair directory holds "
+                f"{', '.join(f'{p}/' for p in PAIR_PARTS)} and {PROMPTS_FILE}, as "
+                "specselect.models.TINY_PAIR_DIR does)"
+            )
+    return load_models(
+        *(directory / part for part in PAIR_PARTS),
+        dtype=dtype,
+        device=device,
+        attn_implementation=attn_implementation,
+    )
+
+
 def load_tiny_pair(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
@@ -89,40 +202,84 @@ def load_tiny_pair(
     SDPA attention is the default because tree verification needs custom 4D masks, which
     FlashAttention kernels do not take.
     """
-    dtype = _check_dtype(dtype)
-    device = _check_device(device)
-    if not isinstance(attn_implementation, str):
-        raise TypeError(
-            f"attn_implementation must be a str, got {type(attn_implementation).__name__}"
-        )
     for rel in _REQUIRED:
         _pair_file(rel)
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
-
-    target, draft = (
-        LlamaForCausalLM.from_pretrained(
-            TINY_PAIR_DIR / name,
-            dtype=dtype,
-            local_files_only=True,
-            attn_implementation=attn_implementation,
-        )
-        # transformers decorates PreTrainedModel.to with functools.wraps, whose typeshed stub
-        # (_Wrapped) does not bind ``self``, so mypy checks ``device`` against ``self``.
-        .to(device)  # type: ignore[arg-type]
-        .eval()
-        for name in ("target", "draft")
+    target, draft, tokenizer = load_pair(
+        TINY_PAIR_DIR, dtype, device, attn_implementation=attn_implementation
     )
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(
-        TINY_PAIR_DIR / "tokenizer", local_files_only=True
-    )
-    return target, draft, tokenizer
+    return target, draft, tokenizer  # type: ignore[return-value]  # the shipped pair is a Llama
 
 
-def load_prompts() -> list[dict[str, str]]:
-    """The 40 shipped prompts: ``{"text", "kind", "source"}`` with kind ``"code"`` or ``"prose"``.
+# --------------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------------
 
-    They come only from stdlib files that were held out of training (``source`` names the file;
-    ``card.json`` lists all held-out files), so the pair has never seen them.
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompt texts from ``path``: ``.jsonl`` (suffix in any case), one object with a string
+    ``text`` field per line; any other suffix, one prompt per line. Blank lines are skipped.
+
+    ``.json`` is refused: read as text, each line of a JSON document would silently become a
+    prompt verbatim, and a JSON document is not JSONL.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a ``.json`` file, a file that is not UTF-8 text, one that holds no prompts,
+            or a JSONL line that is not an object with a string ``text`` field (naming the file
+            and the line).
     """
-    lines = _pair_file("prompts.jsonl").read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        raise ValueError(
+            f"prompts file {str(path)!r}: a .json file is not a prompts file; expected .txt "
+            "(one prompt per line) or .jsonl (one object with a 'text' field per line)"
+        )
+    if suffix == ".jsonl":
+        return [record["text"] for record in _read_records(path)]
+    return [line for _, line in _read_lines(path)]
+
+
+def load_prompts(directory: str | Path | None = None) -> list[dict[str, Any]]:
+    """The prompts of a pair directory (its ``prompts.jsonl``) as records with a ``text``
+    field, read as :func:`read_prompts` reads JSONL.
+
+    Without ``directory``: the 40 shipped prompts, ``{"text", "kind", "source"}`` with kind
+    ``"code"`` or ``"prose"``. They come only from stdlib files that were held out of training
+    (``source`` names the file; ``card.json`` lists all held-out files), so the pair has never
+    seen them.
+    """
+    path = _pair_file(PROMPTS_FILE) if directory is None else Path(directory) / PROMPTS_FILE
+    return _read_records(path)
+
+
+def _read_lines(path: Path) -> list[tuple[int, str]]:
+    """The non-blank lines of a prompts file with their 1-based numbers.
+
+    Lines end at ``\\n`` only (``read_text`` has turned ``\\r\\n`` into it): ``str.splitlines``
+    would also split at the Unicode line separators that a JSON string may hold unescaped.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"prompts file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read prompts file {str(path)!r}: {exc}") from None
+    lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"prompts file {str(path)!r} holds no prompts")
+    return lines
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    return [_record(path, number, line) for number, line in _read_lines(path)]
+
+
+def _record(path: Path, number: int, line: str) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise ValueError(f"{path}:{number}: expected an object with a string 'text' field")
+    return record
