@@ -8,8 +8,9 @@ fixed-to-oracle gap each variant closes (n/a where the oracle does no better tha
 mean is over the other configurations).
 
 ``--traces FILE`` records the pair's traces into FILE, or reads them back when it exists, after
-checking they were recorded from this ``--pair`` on its prompts with this ``--max-new-tokens``
-and a window of at least the grid's largest ``k + extra``.
+checking they were recorded from this ``--pair``'s models on its prompts with this
+``--max-new-tokens`` and a window of at least the grid's largest ``k + extra``
+(:func:`specselect.replay.reuse_traces`).
 
     python benchmarks/bench_estimators.py                # shipped pair, 40 prompts, 64 tokens
     python benchmarks/bench_estimators.py --traces t.pt  # reuse (or save) recorded traces
@@ -27,18 +28,11 @@ import argparse
 from pathlib import Path
 
 import torch
-from bench_replay_goals import (
-    gap_closed,
-    load_pair_traces,
-    mean_closed,
-    pair_models,
-    pair_prompts,
-    percent,
-)
+from bench_replay_goals import gap_closed, load_pair_traces, mean_closed, percent
 
 from specselect import FixedWindowSelector, TetrisSelector
 from specselect.estimators import DEFAULT_ESTIMATOR, ESTIMATORS
-from specselect.models import TINY_PAIR_DIR
+from specselect.models import TINY_PAIR_DIR, load_pair, load_prompts
 from specselect.replay import OracleSelector, replay
 
 
@@ -114,8 +108,8 @@ def live_sampling(args: argparse.Namespace) -> None:
     from specselect import speculative_generate
     from specselect.metrics import Totals
 
-    target, draft = pair_models(args.pair)
-    tokenizer, texts = pair_prompts(args.pair)
+    target, draft, tokenizer = load_pair(args.pair)
+    texts = [prompt["text"] for prompt in load_prompts(args.pair)]
     print()
     print("| selector | k | extra | tokens/step | VSR | verified/request-step |")
     print("|---|---|---|---|---|---|")

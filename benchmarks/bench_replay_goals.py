@@ -28,8 +28,9 @@ predictor of the target accepting it, on the recorded traces.
     python benchmarks/bench_replay_goals.py --ops                        # per-step op counts
 
 Cached traces are keyed by the pair's resolved path (two pairs in directories of the same name
-do not share a file) and checked when read: recorded from this pair (the path stored in their
-metadata), on its prompts, with this ``--max-new-tokens`` and at least this window.
+do not share a file) and checked when read, by the policy ``specselect compare --traces``
+applies (:func:`specselect.replay.reuse_traces`): recorded from this pair's models, on its
+prompts, with this ``--max-new-tokens`` and at least this window.
 
 ``--ops`` counts the operations one ``select`` + ``update`` dispatches (views excluded) at
 ``B = 256``, ``K = 8`` and times it on one CPU thread, for the paper's TETRIS and the default.
@@ -40,7 +41,6 @@ from __future__ import annotations
 import argparse
 import collections
 import hashlib
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -53,16 +53,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specselect import FixedWindowSelector, TetrisSelector
 from specselect.estimators.synthetic import CALIBRATIONS, synthetic_traces
-from specselect.models import TINY_PAIR_DIR
+from specselect.models import TINY_PAIR_DIR, load_pair, load_prompts
 from specselect.replay import (
     OracleSelector,
-    TraceMismatchError,
     Traces,
-    check_trace_prompts,
-    check_trace_shape,
     load_traces,
     record_traces,
     replay,
+    reuse_traces,
     save_traces,
 )
 from specselect.selection import Selector
@@ -76,87 +74,40 @@ GAP_GOAL = 0.65  # share of the fixed-to-oracle gap the default must close on av
 POINTS_GOAL = 0.2  # points of tokens per step the default may lose to the paper's ranking
 
 
-def pair_id(pair: Path) -> str:
-    """What identifies a pair directory in trace metadata and cache names: its resolved path."""
-    return str(pair.resolve())
-
-
 def trace_cache_path(cache: Path, pair: Path, max_new_tokens: int, max_k: int) -> Path:
     """The cached traces of ``pair`` in ``cache``, named by the directory's name (to read) and a
     hash of its resolved path (so that two pairs named alike do not share a file)."""
-    digest = hashlib.sha256(pair_id(pair).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(str(pair.resolve()).encode()).hexdigest()[:12]
     return cache / f"{pair.name}-{digest}-{max_new_tokens}-{max_k}.pt"
-
-
-def pair_prompts(pair: Path) -> tuple[Any, list[str]]:
-    """The tokenizer and prompt texts of the pair in ``pair`` (laid out like the shipped one)."""
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(pair / "tokenizer", local_files_only=True)
-    lines = (pair / "prompts.jsonl").read_text(encoding="utf-8").splitlines()
-    return tokenizer, [json.loads(line)["text"] for line in lines if line.strip()]
-
-
-def pair_models(pair: Path) -> tuple[Any, Any]:
-    """The (target, draft) of the pair in ``pair``: float32, SDPA attention, eval mode."""
-    from transformers import LlamaForCausalLM
-
-    target, draft = (
-        LlamaForCausalLM.from_pretrained(
-            pair / name, dtype=torch.float32, local_files_only=True, attn_implementation="sdpa"
-        ).eval()
-        for name in ("target", "draft")
-    )
-    return target, draft
 
 
 def load_pair_traces(pair: Path, max_new_tokens: int, max_k: int, path: Path | None) -> Traces:
     """Greedy traces of the pair in ``pair`` on its own prompts: read from ``path`` when it
-    exists, after checking they fit this run (a trace file outlives the run that wrote it, and
+    exists, after checking they serve this run (a trace file outlives the run that wrote it, and
     replaying another pair's or a shorter recording would report it silently), else recorded
-    (and written to ``path``, with the pair's path in their metadata).
+    (and written to ``path``).
 
     Raises:
         TraceMismatchError: the file at ``path`` does not fit this pair, its prompts or the shape.
     """
-    tokenizer, texts = pair_prompts(pair)
-    prompts = [tokenizer(text)["input_ids"] for text in texts]
+    target, draft, tokenizer = load_pair(pair)
+    texts = [prompt["text"] for prompt in load_prompts(pair)]
+    prompts = [torch.tensor(tokenizer(text)["input_ids"]) for text in texts]
     if path is not None and path.exists():
-        traces = load_traces(path)
-        check_pair_traces(traces, pair, prompts, texts, max_new_tokens, max_k, name=str(path))
-        return traces
-    target, draft = pair_models(pair)
-    meta = {"pair": pair_id(pair)}
-    traces = record_traces(target, draft, prompts, max_new_tokens, max_k, progress=True, meta=meta)
+        return reuse_traces(
+            load_traces(path),
+            max_k=max_k,
+            max_new_tokens=max_new_tokens,
+            target=target,
+            draft=draft,
+            prompt_ids=prompts,
+            texts=texts,
+            name=str(path),
+        )
+    traces = record_traces(target, draft, prompts, max_new_tokens, max_k, progress=True)
     if path is not None:
         save_traces(traces, path)
     return traces
-
-
-def check_pair_traces(
-    traces: Traces,
-    pair: Path,
-    prompts: list[list[int]],
-    texts: list[str],
-    max_new_tokens: int,
-    max_k: int,
-    *,
-    name: str,
-) -> None:
-    """``traces`` were recorded from the pair in ``pair``, on exactly its prompts, with
-    ``max_new_tokens`` tokens and at least ``max_k`` drafted per position."""
-    check_trace_shape(traces, max_k=max_k, max_new_tokens=max_new_tokens, name=name)
-    recorded = traces.meta.get("pair")
-    if recorded != pair_id(pair):
-        raise TraceMismatchError(
-            f"{name} were recorded from the pair {recorded!r}, not {pair_id(pair)!r}; "
-            "record again into a new file"
-        )
-    if len(traces.prompt_ids) != len(prompts):
-        raise TraceMismatchError(
-            f"{name} hold {len(traces.prompt_ids)} requests; the pair has {len(prompts)} prompts"
-        )
-    check_trace_prompts(traces, [torch.tensor(ids) for ids in prompts], texts, name=name)
 
 
 def gap_closed(value: float, fixed: float, oracle: float) -> float | None:

@@ -125,7 +125,7 @@ def test_estimators_without_a_gap_to_close(
     [
         (3, 2, False, "were recorded with max_new_tokens=2, not 3"),
         (2, 3, False, "hold max_k=2 draft tokens; this grid needs 3"),
-        (2, 2, True, "were recorded from the pair"),
+        (2, 2, True, "were recorded from other models: target name_or_path"),
     ],
 )
 def test_reused_traces_must_fit_the_run(
@@ -137,15 +137,15 @@ def test_reused_traces_must_fit_the_run(
     other_pair: bool,
     error: str,
 ) -> None:
-    from specselect.models import TINY_PAIR_DIR
+    from specselect.models import TINY_PAIR_DIR, load_prompts
     from specselect.replay import TraceMismatchError, save_traces
 
     goals = bench("bench_replay_goals")
     path, _ = recorded
     reused = goals.load_pair_traces(TINY_PAIR_DIR, 2, 2, path)  # fits what it was recorded for
-    assert reused.meta["pair"] == str(TINY_PAIR_DIR.resolve())
+    assert reused.num_requests == len(load_prompts(TINY_PAIR_DIR))
     if other_pair:
-        reused.meta["pair"] = str(tmp_path)
+        reused.meta["target"]["name_or_path"] = str(tmp_path)
         path = save_traces(reused, tmp_path / "other.pt")
     with pytest.raises(TraceMismatchError, match=error):
         goals.load_pair_traces(TINY_PAIR_DIR, max_new_tokens, max_k, path)

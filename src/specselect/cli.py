@@ -1,7 +1,9 @@
 """The ``specselect`` command line: ``compare`` and ``profile`` (also ``python -m specselect``).
 
 ``compare`` answers the question a user brings: on *my* models and prompts, which selector wins
-and by how much? It only wires library pieces together — :func:`specselect.replay.record_traces`,
+and by how much? It only wires library pieces together — :func:`specselect.models.load_models`
+and :func:`specselect.models.read_prompts` (the inputs), :func:`specselect.replay.record_traces`
+and :func:`specselect.replay.reuse_traces` (traces recorded now, or earlier for this run),
 :func:`specselect.replay.compare_replay` (exact greedy replay, every selector and the oracle),
 ``speculative_generate`` for ``--mode live``, and :func:`specselect.report.write_report`.
 ``profile`` measures what the models' forward passes cost on this hardware
@@ -37,13 +39,11 @@ from specselect.replay import (
     ResultRow,
     TraceMismatchError,
     Traces,
-    check_trace_models,
-    check_trace_prompts,
-    check_trace_shape,
     compare_live,
     compare_replay,
     load_traces,
     record_traces,
+    reuse_traces,
     save_traces,
     selector_grid,
     traces_summary,
@@ -623,15 +623,11 @@ def obtain_traces(args: argparse.Namespace, max_k: int) -> tuple[Traces, Inputs 
     path: Path | None = args.traces
     if path is not None and path.exists():
         traces = _load_traces_arg(path)
-        with _as_usage_error():
-            check_trace_shape(
-                traces,
-                max_k=max_k,
-                max_new_tokens=args.max_new_tokens,
-                name=f"traces {str(path)!r}",
-            )
+        name = f"--traces {str(path)!r}"
+        with _as_usage_error():  # the shape first: a mismatch is found before loading models
+            reuse_traces(traces, max_k=max_k, max_new_tokens=args.max_new_tokens, name=name)
         inputs = load_inputs(args) if _names_inputs(args) else None
-        return _requests_to_use(traces, path, inputs, args.limit), inputs
+        return _requests_to_use(traces, path, inputs, args, max_k), inputs
     if path is not None:  # before recording, not after: the recording would be lost
         check_writable_dir(f"--traces {str(path)!r}", path.parent)
     inputs = load_inputs(args)
@@ -675,10 +671,13 @@ def _names_inputs(args: argparse.Namespace) -> bool:
 
 
 def _requests_to_use(
-    traces: Traces, path: Path, inputs: Inputs | None, limit: int | None
+    traces: Traces, path: Path, inputs: Inputs | None, args: argparse.Namespace, max_k: int
 ) -> Traces:
-    """The traces of the requests this run asks for, checked against its models and prompts."""
+    """The traces of the requests this run asks for, checked against its models and prompts
+    (:func:`specselect.replay.reuse_traces`: the policy is the library's); a run that asks for
+    more requests than they hold warns and uses those."""
     held = traces.num_requests
+    limit: int | None = args.limit
     wanted = len(inputs.prompts) if inputs is not None else (limit or held)
     if wanted > held:
         asked = (
@@ -689,17 +688,20 @@ def _requests_to_use(
         _warn(
             f"{asked} more requests than --traces {str(path)!r} holds ({held}); using those {held}"
         )
-    used = min(wanted, held)
-    if inputs is not None:
-        name = f"--traces {str(path)!r}"
-        shipped = traces.meta.get("source") == SHIPPED == inputs.source  # a reinstall moves it
-        with _as_usage_error():
-            check_trace_models(
-                traces, inputs.target, inputs.draft, compare_paths=not shipped, name=name
-            )
-            current = tokenize(inputs.tokenizer, inputs.prompts[:used])
-            check_trace_prompts(traces, current, inputs.prompts, name=name)
-    return traces if used == held else traces.subset(range(used))
+    if inputs is None:  # the traces alone: they are the inputs, nothing to check them against
+        return traces if wanted >= held else traces.subset(range(wanted))
+    with _as_usage_error():
+        return reuse_traces(
+            traces,
+            max_k=max_k,
+            max_new_tokens=args.max_new_tokens,
+            target=inputs.target,
+            draft=inputs.draft,
+            prompt_ids=tokenize(inputs.tokenizer, inputs.prompts),
+            texts=inputs.prompts,
+            partial=True,
+            name=f"--traces {str(path)!r}",
+        )
 
 
 @contextlib.contextmanager

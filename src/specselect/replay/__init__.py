@@ -44,7 +44,8 @@ Where things live (everything is importable from ``specselect.replay`` itself):
 * :mod:`specselect.replay.provenance` — checks before reusing a trace file: the grid fits it
   (:func:`check_trace_shape`), and it was recorded from these models
   (:func:`check_trace_models`, :func:`model_differences`, :func:`describe_model`) and prompts
-  (:func:`check_trace_prompts`); they raise :class:`TraceMismatchError`.
+  (:func:`check_trace_prompts`); they raise :class:`TraceMismatchError`. :func:`reuse_traces`
+  applies them all: the policy for reusing recorded traces.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from specselect.replay.provenance import (
     check_trace_prompts,
     check_trace_shape,
     model_differences,
+    reuse_traces,
 )
 from specselect.replay.results import MEASURED, MODELLED, ResultRow
 from specselect.replay.traces import (
@@ -119,6 +121,7 @@ __all__ = [
     "model_differences",
     "record_traces",
     "replay",
+    "reuse_traces",
     "save_traces",
     "selector_grid",
     "static_oracle_row",

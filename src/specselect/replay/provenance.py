@@ -6,6 +6,10 @@ it; these checks stop a later run from silently reporting another pair, other pr
 shorter output or a smaller draft window than it asked for. Each raises
 :class:`TraceMismatchError` with a one-line message that starts with ``name`` (the caller's name
 for the traces, e.g. a file path) and says what to do.
+
+:func:`reuse_traces` is the policy built from them, the one that ``specselect compare --traces``
+and the benchmarks' trace caches apply: recorded traces serve a run when they hold its window
+and output length, come from its models and from its prompts.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specselect.models import TINY_PAIR_DIR
 from specselect.replay.traces import Traces, describe_model
 
 __all__ = [
@@ -25,7 +30,12 @@ __all__ = [
     "check_trace_prompts",
     "check_trace_shape",
     "model_differences",
+    "reuse_traces",
 ]
+
+_SHIPPED = TINY_PAIR_DIR.parts[-3:]
+"""The tail of the shipped pair's directory (``specselect/models/tiny_pair``), the same in every
+installation."""
 
 
 class TraceMismatchError(ValueError):
@@ -60,9 +70,10 @@ def model_differences(
     """How the models the traces were recorded from differ from ``target`` and ``draft``.
 
     Compares the fields :func:`~specselect.replay.describe_model` stored at recording (older
-    trace files hold fewer, or none: what is absent is not compared). Paths compare resolved;
-    ``compare_paths=False`` skips them, for models that move but stay the same (a reinstalled
-    package's shipped pair).
+    trace files hold fewer, or none: what is absent is not compared). Paths compare resolved,
+    and the shipped pair's models (:data:`specselect.models.TINY_PAIR_DIR`) match wherever
+    specselect was installed when they were recorded: a reinstall moves them but they stay the
+    same. ``compare_paths=False`` skips paths, for other models that move but stay the same.
 
     Returns:
         one ``"<role> <field> <stored> (this run: <current>)"`` per difference; empty if none.
@@ -144,4 +155,63 @@ def _stored_fields(stored: Any, model: torch.nn.Module) -> list[tuple[str, Any, 
 def _same_field(key: str, stored: Any, current: Any, compare_paths: bool) -> bool:
     if key != "name_or_path":
         return bool(stored == current)
-    return not compare_paths or Path(str(stored)).resolve() == Path(str(current)).resolve()
+    return not compare_paths or _same_path(Path(str(stored)), Path(str(current)))
+
+
+def _same_path(stored: Path, current: Path) -> bool:
+    """The same model directory: equal resolved paths, or the same model of the shipped pair
+    (``.../specselect/models/tiny_pair/target`` in two installations)."""
+    if stored.resolve() == current.resolve():
+        return True
+    shipped = current.resolve().parent == TINY_PAIR_DIR.resolve()
+    return shipped and stored.parent.parts[-3:] == _SHIPPED and stored.name == current.name
+
+
+def reuse_traces(
+    traces: Traces,
+    *,
+    max_k: int,
+    max_new_tokens: int,
+    target: torch.nn.Module | None = None,
+    draft: torch.nn.Module | None = None,
+    prompt_ids: Sequence[Tensor] | None = None,
+    texts: Sequence[str] | None = None,
+    partial: bool = False,
+    name: str = "traces",
+) -> Traces:
+    """The traces of this run's requests, once they are shown to serve it.
+
+    Recorded traces serve a run that replays at most ``max_k`` draft tokens per position and
+    ``max_new_tokens`` tokens per request (:func:`check_trace_shape`), on the models they were
+    recorded from (:func:`check_trace_models`, when ``target`` and ``draft`` are given) and on
+    the prompts they were recorded from, in order (:func:`check_trace_prompts`, when
+    ``prompt_ids`` are given). A run may use the first requests of a longer recording: the
+    result holds the requests of ``prompt_ids``, all of them without it.
+
+    Args:
+        traces: the recorded traces (e.g. from :func:`~specselect.replay.load_traces`).
+        max_k: the largest window the run replays (``k + extra`` of its grid).
+        max_new_tokens: the run's output length.
+        target: the run's target, given with ``draft``; None: the models are not checked (a
+            replay of the traces alone is about the models they were recorded from).
+        draft: the run's draft, given with ``target``.
+        prompt_ids: token ids of the run's prompts (``[P_i]`` each); None: not checked.
+        texts: the prompts' texts, quoted in an error to say which prompt differs.
+        partial: with more prompts than the traces hold, use the requests they hold (a caller
+            may warn) rather than raise.
+        name: how errors name the traces (e.g. ``"--traces 'run.pt'"``).
+
+    Raises:
+        TraceMismatchError: the traces do not serve the run (the message says why).
+        ValueError: only one of ``target`` and ``draft``.
+    """
+    if (target is None) != (draft is None):
+        raise ValueError("reuse_traces takes target and draft together, or neither")
+    check_trace_shape(traces, max_k=max_k, max_new_tokens=max_new_tokens, name=name)
+    if target is not None and draft is not None:
+        check_trace_models(traces, target, draft, name=name)
+    if prompt_ids is None:
+        return traces
+    used = min(len(prompt_ids), traces.num_requests) if partial else len(prompt_ids)
+    check_trace_prompts(traces, prompt_ids[:used], texts, name=name)
+    return traces if used == traces.num_requests else traces.subset(range(used))
