@@ -437,17 +437,6 @@ def test_unknown_estimator_name_is_rejected() -> None:
         TetrisSelector(k=2, estimator="oracle")
 
 
-def test_tree_outcomes_follow_the_accepted_path() -> None:
-    # root -> {0, 1}; 0 -> {2, 3}; 1 -> {4}; accepted path: 0 -> 3
-    parents = torch.tensor([[-1, -1, 0, 0, 1]])
-    selected = torch.tensor([[True, True, True, True, True]])
-    accepted = torch.tensor([[True, False, False, True, False]])
-    tested, passed = tree_outcomes(selected, parents, accepted)
-    # node 1 comes after the accepted sibling 0: never tried; node 4's parent was not accepted
-    assert tested.tolist() == [[True, False, True, True, False]]
-    assert passed.tolist() == [[True, False, False, True, False]]
-
-
 def test_estimators_on_chain_shaped_trees_match_the_flat_path() -> None:
     """A chain is the tree parents[j] = j - 1: same estimates, outcomes and selections."""
     flat, tree = TetrisSelector(k=2, extra=2), TetrisSelector(k=2, extra=2)

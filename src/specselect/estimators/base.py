@@ -44,7 +44,9 @@ def default_positions(draft_logprobs: Tensor, positions: Tensor | None) -> Tenso
 
 
 class AcceptanceEstimator(abc.ABC):
-    """Estimates ``log P(token j accepted | tokens < j accepted)`` for each draft token.
+    """Estimates ``log P(token j accepted | tokens < j accepted)`` for each draft token; for a
+    draft-tree node, ``log P(node on the accepted path | its parent on it)``, what TETRIS's
+    path product needs (see :func:`~specselect.estimators.outcomes.tree_outcomes`).
 
     ``positions`` (``[B, K]`` int64, optional) is each token's 0-based position along its
     chain: its column for chains (the default), ``depth - 1`` for draft-tree nodes.
