@@ -14,7 +14,7 @@ for _step in range(4):
     # ... verify the selected tokens with your target; count accepted tokens per request ...
     num_accepted = torch.minimum(selection.lengths, torch.randint(0, window + 1, (8,)))
     selector.update(selection, num_accepted)
-    # the same counts on the host, from the read-back your loop makes anyway (DSD and the
-    # goodput budget plan the next draft_length from them)
-    selector.observe(selection.lengths.tolist(), num_accepted.tolist())
+    # the same counts on the host, per active row, from the read-back your loop makes anyway,
+    # and which rows they are (DSD, the goodput budget and the heuristic plan from them)
+    selector.observe(selection.lengths.tolist(), num_accepted.tolist(), active=active.tolist())
     print(selection.lengths.tolist(), "verified", int(selection.num_verified))

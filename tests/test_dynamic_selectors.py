@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -279,22 +280,33 @@ def test_dsd_between_rechoices_follows_the_number_of_active_requests() -> None:
     assert got != selector.draft_length(8), "batch size must matter in this case"
 
 
-def test_dsd_warns_once_when_observe_is_never_called() -> None:
-    """DSD learns from observe() alone: a loop that only calls update() would keep the window
-    of alpha0 forever, so after interval + 1 unobserved steps it says so, once per generation;
-    a loop that observes every step hears nothing."""
-    selector = DSDSelector(max_k=4, cost_model=GPU_LIKE, interval=3)
+@pytest.mark.parametrize(
+    ("make", "steps"),
+    [
+        (lambda: DSDSelector(max_k=4, cost_model=GPU_LIKE, interval=3), 3 + 1),
+        (lambda: HeuristicSelector(k0=2, max_k=4), 2 + 1),
+    ],
+    ids=["dsd", "heuristic"],
+)
+def test_warns_once_when_observe_is_never_called(make: Callable[[], Selector], steps: int) -> None:
+    """DSD and the heuristic learn from observe() alone: a loop that only calls update() would
+    keep their prior windows forever, so after ``steps`` unobserved steps (DSD: interval + 1;
+    the heuristic: 3) they say so, once per generation; a loop that observes every step hears
+    nothing."""
+    selector = make()
     for observed in (False, True):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for _ in range(20):
+            for step in range(20):
+                if step == steps:
+                    assert len(caught) == 0, "warned before the last tolerated step"
                 selection = selector.select(torch.zeros(2, selector.draft_length(2)))
                 selector.update(selection, selection.lengths)
                 if observed:
                     selector.observe(selection.lengths.tolist(), selection.lengths.tolist())
         messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
         assert len(messages) == (0 if observed else 1)
-        assert observed or "learns from observe()" in messages[0]
+        assert observed or f"learns from observe(): {steps} steps passed" in messages[0]
         selector.reset()
 
 
@@ -375,9 +387,9 @@ def test_threshold_matches_definition_on_random_rows(threshold: float) -> None:
 # Heuristic
 # ---------------------------------------------------------------------------------------------
 
-# Each step: per row, (selected, accepted); then the expected windows after the step, by hand.
+# Each step: per row, (verified, accepted); then the expected windows after the step, by hand.
 # k0 = 2, max_k = 7. Row 0 accepts everything (2 -> 4 -> 6 -> 7 cap -> 7); row 1 rejects until
-# the floor (2 -> 1 -> 1) then recovers; row 2 is inactive at steps 2-3 (selected 0: unchanged).
+# the floor (2 -> 1 -> 1) then recovers; row 2 is inactive at steps 2-3 (verified 0: unchanged).
 HEURISTIC_STEPS = [
     ([(2, 2), (2, 0), (2, 1)], [4, 1, 1]),
     ([(4, 4), (1, 0), (0, 0)], [6, 1, 1]),
@@ -386,24 +398,42 @@ HEURISTIC_STEPS = [
 ]
 
 
+def observe_rows(selector: Selector, outcome: list[tuple[int, int]], **kwargs: Any) -> None:
+    """``observe`` one step's (verified, accepted) pairs."""
+    selector.observe([v for v, _ in outcome], [a for _, a in outcome], **kwargs)
+
+
 @pytest.mark.parametrize("num_steps", range(len(HEURISTIC_STEPS) + 1))
 def test_heuristic_schedule(num_steps: int) -> None:
     selector = HeuristicSelector(k0=2, max_k=7)
     expected = [2, 2, 2]
     for outcome, after in HEURISTIC_STEPS[:num_steps]:
-        lengths = [s for s, _ in outcome]
-        selector.update(selection_of(lengths, 8), torch.tensor([a for _, a in outcome]))
+        observe_rows(selector, outcome)
         expected = after
     draft = torch.zeros(3, 8, dtype=torch.float64)  # probability-1 tokens everywhere
     assert selector.select(draft).lengths.tolist() == expected
     assert selector.draft_length(3) == max(expected)  # drafts exactly the largest window
 
 
+def test_heuristic_learns_from_observe_alone() -> None:
+    """The windows live on the host: update (device tensors) teaches nothing, observe does,
+    each entry for the row ``active`` says it is."""
+    selector = HeuristicSelector(k0=3, max_k=9)
+    draft = torch.zeros(3, 8, dtype=torch.float64)
+    selection = selector.select(draft)
+    selector.update(selection, selection.lengths)  # everything accepted: no effect
+    assert selector.windows() == [3, 3, 3]
+    observe_rows(selector, [(3, 3), (3, 1)], active=[True, False, True])
+    assert selector.windows() == [5, 3, 2]
+    assert selector.select(draft).lengths.tolist() == [5, 3, 2]
+    assert selector.draft_length(2) == 5
+
+
 def test_heuristic_uncapped_grows_without_limit() -> None:
     selector = HeuristicSelector(k0=1)
     for step in range(1, 6):
-        selector.update(selection_of([1 + 2 * (step - 1)], 16), torch.tensor([1 + 2 * (step - 1)]))
-        assert selector.windows().tolist() == [1 + 2 * step]
+        observe_rows(selector, [(1 + 2 * (step - 1), 1 + 2 * (step - 1))])
+        assert selector.windows() == [1 + 2 * step]
         assert selector.draft_length(1) == 1 + 2 * step
 
 
@@ -413,24 +443,24 @@ def test_heuristic_select_follows_windows_after_feedback() -> None:
     draft = logprobs([[0.9] * 6, [0.9, 0.9, 0.0, 0.9, 0.9, 0.9]])
     first = selector.select(draft)
     assert first.lengths.tolist() == [3, 2]
-    selector.update(first, torch.tensor([3, 2]))  # both accepted all they verified
+    observe_rows(selector, [(3, 3), (2, 2)])  # both accepted all they verified
     assert selector.select(draft).lengths.tolist() == [5, 2]
-    assert selector.windows().tolist() == [5, 5]
+    assert selector.windows() == [5, 5]
 
 
 def test_heuristic_drafts_for_active_rows_only() -> None:
     """A finished row's grown window must not make the batch draft more than any active
-    request can use; with nothing active at the last select (a new batch), k0."""
+    request can use; with nothing active at the last step (a new batch), k0."""
     selector = HeuristicSelector(k0=1, max_k=7)
     draft = logprobs([[0.9] * 8, [0.9] * 8])
     for _ in range(3):  # row 0 keeps accepting everything, row 1 nothing
-        selection = selector.select(draft)
-        selector.update(selection, torch.stack([selection.lengths[0], torch.tensor(0)]))
-    assert selector.windows().tolist() == [7, 1]
+        lengths = selector.select(draft).lengths.tolist()
+        selector.observe(lengths, [lengths[0], 0])
+    assert selector.windows() == [7, 1]
     assert selector.draft_length(2) == 7
-    selector.select(draft, torch.tensor([False, True]))  # row 0 finished
+    selector.observe([1], [0], active=[False, True])  # row 0 finished
     assert selector.draft_length(1) == 1
-    selector.select(draft, torch.tensor([False, False]))
+    selector.observe([], [], active=[False, False])
     assert selector.draft_length(2) == 1  # k0
 
 
@@ -441,6 +471,10 @@ def test_heuristic_new_batch_size_raises_until_reset() -> None:
         selector.select(torch.zeros(5, 4))
     with pytest.raises(ValueError, match=r"selection.lengths.*reset\(\)"):
         selector.update(selection_of([1, 1], 4), torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match=r"active has 5 rows.*reset\(\)"):
+        selector.observe([1], [1], active=[True] + [False] * 4)
+    with pytest.raises(ValueError, match=r"needs active=.*2 entries.*3 rows"):
+        selector.observe([1, 1], [1, 1])  # which two of the three rows?
     selector.reset()
     assert selector.select(torch.zeros(5, 4)).lengths.tolist() == [2] * 5
 
@@ -448,20 +482,32 @@ def test_heuristic_new_batch_size_raises_until_reset() -> None:
 def test_heuristic_reset_restores_k0() -> None:
     selector = HeuristicSelector(k0=2, max_k=9)
     for _ in range(3):
-        selector.update(selection_of([2, 2], 8), torch.tensor([2, 0]))
+        observe_rows(selector, [(2, 2), (2, 0)])
     selector.reset()
     assert selector.windows() is None
     assert selector.draft_length(2) == 2
     assert selector.select(torch.zeros(2, 8)).lengths.tolist() == [2, 2]
 
 
-def test_heuristic_reset_rows_restarts_only_those_rows() -> None:
+@pytest.mark.parametrize("by", ["reset_rows", "request_ids"])
+def test_heuristic_reset_rows_restarts_only_those_rows(by: str) -> None:
+    """A slot handed to a new request starts at k0, in the next selection and on the host."""
     selector = HeuristicSelector(k0=2, max_k=9)
+    draft = torch.zeros(3, 8)
+    selector.select(draft, request_ids=torch.tensor([0, 1, 2]))
     for _ in range(2):
-        selector.update(selection_of([2, 2, 2], 8), torch.tensor([2, 2, 0]))
-    before = selector.windows().clone()
-    selector.reset_rows(torch.tensor([False, True, False]))
-    assert selector.windows().tolist() == [before[0].item(), 2, before[2].item()]
+        observe_rows(selector, [(2, 2), (2, 2), (2, 0)])
+    before = selector.windows()
+    assert before == [6, 6, 1]
+    if by == "reset_rows":
+        selector.reset_rows(torch.tensor([False, True, False]))
+        selection = selector.select(draft)
+    else:
+        selection = selector.select(draft, request_ids=torch.tensor([0, 3, 2]))
+    assert selection.lengths.tolist() == [6, 2, 1]
+    assert selector.windows() == [6, 2, 1]
+    observe_rows(selector, [(6, 6), (2, 2), (1, 1)])
+    assert selector.windows() == [8, 4, 3]
     with pytest.raises(TypeError, match="rows"):
         selector.reset_rows(torch.tensor([0, 1, 0]))
     with pytest.raises(ValueError, match="rows"):

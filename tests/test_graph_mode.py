@@ -45,9 +45,10 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 T = TypeVar("T")
 
 # (selector spec, tree): selectors captured with the verify pass (fixed, paper TETRIS, the
-# default TETRIS, which learns in place, DSD per window) and run eagerly between the stages (the
-# goodput budget plans on the host), chains and trees. DSD re-chooses its window every other
-# step, from what observe() brings.
+# default TETRIS, which learns in place, DSD per window, the heuristic on its device copy of
+# the windows) and run eagerly between the stages (the goodput budget plans on the host),
+# chains and trees. DSD re-chooses its window every other step, and the heuristic its windows
+# every step, from what observe() brings.
 PAPER = {"name": "tetris", "k": 3, "extra": 2, "estimator": None, "guard": False}
 CONFIGS = {
     "fixed": ({"name": "fixed", "k": 3}, None),
@@ -57,6 +58,8 @@ CONFIGS = {
     "paper-tree": (PAPER, TreeSpec(3, 2, 2)),
     "dsd": ({"name": "dsd", "max_k": 4, "interval": 2}, None),
     "dsd-tree": ({"name": "dsd", "max_k": 3, "interval": 2}, TreeSpec(3, 2, 2)),
+    "heuristic": ({"name": "heuristic", "k0": 2, "max_k": 4}, None),
+    "heuristic-tree": ({"name": "heuristic", "k0": 1, "max_k": 3}, TreeSpec(3, 2, 2)),
     "plain": (None, None),
 }
 
@@ -219,13 +222,15 @@ def test_a_kept_workspace_does_not_keep_the_models_alive() -> None:
         ("paper-tree", True),
         ("tetris", True),
         ("dsd-tree", True),
+        ("heuristic", True),
+        ("heuristic-tree", True),
         ("goodput", False),
     ],
 )
 def test_selection_is_captured_only_for_capturable_selectors(config: str, captured: bool) -> None:
     """Graph mode replays select + update inside the verify graph when the selector has a
-    capture_key (fixed, the paper's TETRIS, the default TETRIS, DSD), and runs them eagerly
-    otherwise (the goodput budget)."""
+    capture_key (fixed, the paper's TETRIS, the default TETRIS, DSD, the heuristic), and runs
+    them eagerly otherwise (the goodput budget)."""
     target, draft, ids, mask, eos, _ = case("llama", 0)
     keys: list[object] = []
     runner_call = StageRunner.__call__
@@ -251,22 +256,40 @@ def learned_state(selector) -> list[torch.Tensor]:
     return [estimator.log_losses(), table, selector.guard.auc()]
 
 
-def test_captured_learning_selector_learns_as_in_eager_mode() -> None:
-    """The default TETRIS learns every step, in tensors its captured select + update replays
-    on in place: in graph mode it verifies what it does in eager mode, step by step, and ends
-    each call with the same learned state. One selector serves calls of 4, 2 and 4 rows in
-    turn (each batch size keeps its own per-request state, which its graphs replay on; the
-    4-row graphs are replayed by the third call)."""
-    target, draft, ids, mask, eos, _ = case("llama", 0)
+def heuristic_windows(selector) -> list[torch.Tensor]:
+    """The heuristic's per-request windows (on the host)."""
+    return [torch.tensor(selector.windows())]
+
+
+@pytest.mark.parametrize(
+    ("config", "state"),
+    [
+        ("tetris", learned_state),
+        ("heuristic", heuristic_windows),
+        ("heuristic-tree", heuristic_windows),
+    ],
+)
+def test_captured_learning_selector_learns_as_in_eager_mode(
+    config: str, state: Callable[..., list[torch.Tensor]]
+) -> None:
+    """A selector whose captured select + update replays on state it keeps in place (the
+    default TETRIS learns on the device every step; the heuristic's windows learn on the host
+    and reach the graphs through its device copy) verifies in graph mode what it does in eager
+    mode, step by step, and ends each call with the same learned state. One selector serves
+    calls of 4, 2 and 4 rows in turn (each batch size keeps its own per-request state, which
+    its graphs replay on; the 4-row graphs are replayed by the third call); both give
+    generate()'s output."""
+    target, draft, ids, mask, eos, reference = case("llama", 0)
     calls = (slice(0, 4), slice(4, 6), slice(2, 6))
 
     def generations(cuda_graphs: bool) -> list[tuple[object, list[torch.Tensor]]]:
-        selector = make_selector("tetris", k=3, extra=2)
+        selector = new_selector(config)
         results = []
         for rows in calls:
-            config = (target, draft, ids[rows], mask[rows], "tetris", eos, selector)
-            out = run(*config, cuda_graphs=cuda_graphs)
-            results.append((out, learned_state(selector)))
+            out = run(
+                target, draft, ids[rows], mask[rows], config, eos, selector, cuda_graphs=cuda_graphs
+            )
+            results.append((out, state(selector)))
         return results
 
     release_workspace(target)
@@ -274,9 +297,12 @@ def test_captured_learning_selector_learns_as_in_eager_mode() -> None:
         traced = generations(True)
     release_workspace(target)
     eager = generations(False)
-    for (graph_out, graph_state), (eager_out, eager_state) in zip(traced, eager, strict=True):
+    for rows, (graph_out, graph_state), (eager_out, eager_state) in zip(
+        calls, traced, eager, strict=True
+    ):
         assert graph_out.stats.mode == "trace"
         assert torch.equal(graph_out.sequences, eager_out.sequences)
+        assert torch.equal(eager_out.sequences, reference[rows])
         assert len(graph_out.stats.verified_per_step) == len(eager_out.stats.verified_per_step)
         for graph_step, eager_step in zip(
             graph_out.stats.verified_per_step, eager_out.stats.verified_per_step, strict=True

@@ -40,7 +40,7 @@ from specselect.replay import (
     traces_summary,
 )
 from specselect.replay.traces import TRACE_FORMAT, TRACE_VERSION
-from specselect.selection import Selection, available_lengths, chain_scores
+from specselect.selection import Outcomes, Selection, available_lengths, chain_scores
 from specselect.selectors import SELECTORS
 
 # --------------------------------------------------------------------------------------------
@@ -808,14 +808,16 @@ class ObserveSpy(FixedWindowSelector):
     def __init__(self, k: int) -> None:
         super().__init__(k)
         self.observed: list[tuple[list[int], ...]] = []
+        self.active: list[list[bool] | None] = []  # the rows of each observe call
 
-    def _observe(self, verified: list[int], accepted: list[int], deepest: list[int]) -> None:
-        self.observed.append((verified, accepted, deepest))
+    def _observe(self, outcomes: Outcomes) -> None:
+        self.observed.append((outcomes.verified, outcomes.accepted, outcomes.deepest))
+        self.active.append(outcomes.active)
 
 
 def test_replay_calls_observe_with_each_steps_outcomes(random_run_traces: Traces) -> None:
     """Once per step, after update: the active slots' verified and accepted counts (and, for
-    these chains, the verified counts as the deepest verified depths)."""
+    these chains, the verified counts as the deepest verified depths), and which slots."""
     spy = ObserveSpy(2)
     steps = list(iter_replay(random_run_traces, spy, slots=3))
     assert spy.observed == [
@@ -823,6 +825,7 @@ def test_replay_calls_observe_with_each_steps_outcomes(random_run_traces: Traces
         for s in steps
         for verified in [s.selection.lengths[s.active].tolist()]
     ]
+    assert spy.active == [s.active.tolist() for s in steps]
     assert any(len(verified) < 3 for verified, *_ in spy.observed)  # inactive slots left out
 
 
@@ -884,19 +887,23 @@ def test_replay_equals_live(tiny_pair: tuple, model_traces: Traces, name: str, s
 @pytest.mark.skipif(_speculative_generate() is None, reason="specselect.hf is not available")
 def test_speculative_generate_calls_observe_like_replay(tiny_pair: tuple, model_traces: Traces):
     """The live loop calls observe once per step with the active rows' verified and accepted
-    counts, in row order, exactly as a replay of the same batches does."""
+    counts, in row order, and which of the caller's rows they are, exactly as a replay of the
+    same batches does."""
     spy = ObserveSpy(2)
     outputs = _generate_in_batches(tiny_pair, model_traces, spy, slots=3)
-    expected = []
+    expected, expected_active = [], []
     for out in outputs:
         stats = out.stats
         for t, (verified, accepted) in enumerate(
             zip(stats.verified_per_step, stats.accepted_per_step, strict=True)
         ):
-            rows = [i for i, n in enumerate(stats.row_steps.tolist()) if t < n]
+            active = [t < n for n in stats.row_steps.tolist()]
+            rows = [i for i, flag in enumerate(active) if flag]
             counts = [int(verified[i]) for i in rows]
             expected.append((counts, [int(accepted[i]) for i in rows], counts))
+            expected_active.append(active)
     assert spy.observed == expected
+    assert spy.active == expected_active
     assert any(len(v) < 3 for v, *_ in expected)  # finished rows are left out
     live = spy.observed
     spy.observed = []

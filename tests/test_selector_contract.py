@@ -80,6 +80,21 @@ def num_active(active: torch.Tensor | None) -> int:
     return BATCH if active is None else int(active.sum())
 
 
+def observe(
+    selector: Selector,
+    selection: Selection,
+    accepted: torch.Tensor,
+    active: torch.Tensor | None,
+    tree: bool = False,
+) -> None:
+    """``observe`` as a loop calls it: the active rows' counts as host ints, and which rows
+    they are (for a chain-shaped tree, the deepest verified depth is the verified count)."""
+    rows = [True] * BATCH if active is None else active.tolist()
+    verified = [v for v, row in zip(selection.lengths.tolist(), rows, strict=True) if row]
+    passed = [a for a, row in zip(accepted.tolist(), rows, strict=True) if row]
+    selector.observe(verified, passed, deepest=verified if tree else None, active=rows)
+
+
 def test_every_registered_selector_has_kwargs() -> None:
     missing = sorted(set(SELECTORS) - set(SELECTOR_KWARGS))
     assert not missing, f"add constructor arguments for {missing} to SELECTOR_KWARGS"
@@ -267,9 +282,9 @@ def test_tree_contract(name: str, with_active: bool) -> None:
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_chain_shaped_trees_select_and_learn_as_chains(name: str) -> None:
-    """A chain is the tree ``parents[j] = j - 1``: over several steps with feedback, a selector
-    fed chain-shaped trees makes the same selections as one fed the chains, so it also learns
-    the same from the same outcomes."""
+    """A chain is the tree ``parents[j] = j - 1``: over several steps with feedback (``update``
+    and ``observe``), a selector fed chain-shaped trees makes the same selections as one fed
+    the chains, so it also learns the same from the same outcomes."""
     flat, tree = make(name), make(name)
     for step in range(6):
         window = flat.draft_length(BATCH)
@@ -284,6 +299,8 @@ def test_chain_shaped_trees_select_and_learn_as_chains(name: str) -> None:
         flat.update(a, accepted)
         path = torch.arange(logprobs.shape[1]) < accepted.unsqueeze(1)  # [B, K]
         tree.update(b, accepted, accepted_nodes=path)
+        observe(flat, a, accepted, ACTIVE if step % 2 else None)
+        observe(tree, b, accepted, ACTIVE if step % 2 else None, tree=True)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -400,7 +417,9 @@ def test_state_moves_with_the_inputs_to_another_device(name: str) -> None:
     requests = torch.arange(BATCH)
     for seed in range(4):
         selection = selector.select(drafted(selector, seed=seed), ACTIVE, request_ids=requests)
-        selector.update(selection, accepted_for(selection, seed))
+        accepted = accepted_for(selection, seed)
+        selector.update(selection, accepted)
+        observe(selector, selection, accepted, ACTIVE)
     token = selector.capture_token
     logprobs = drafted(selector, seed=4).to("meta")  # the window is read while state is on cpu
     requests = torch.tensor([0, 7, 2, 3, 4], device="meta")

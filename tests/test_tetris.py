@@ -802,6 +802,10 @@ def test_goodput_acceptance_model_reads_trees_per_depth() -> None:
         (([3, 2], [1, 0], [1, 3]), ValueError, r"deepest\[1\] = 3 > verified\[1\] = 2"),
         (([3], [1], (2.0,)), TypeError, r"deepest\[0\] must be an int"),
         (([3, 0], [0, 0], [0, 0]), ValueError, r"deepest\[0\] must be >= 1 where the row"),
+        (([3, 2], [1, 0], None, [True, False]), ValueError, "1 rows marked active for 2 entries"),
+        (([3, 2], [1, 0], None, [True, 1, True]), TypeError, r"active\[1\] must be a bool"),
+        (([3], [1], None, torch.tensor([True])), TypeError, "active must be a sequence of bools"),
+        (([3], [1], None, "1"), TypeError, "active must be a sequence of bools"),
     ],
 )
 def test_observe_rejects_bad_outcomes(outcomes: tuple, error: type, match: str) -> None:

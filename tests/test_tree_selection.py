@@ -221,14 +221,16 @@ def path(*nodes_per_row: list[int]) -> torch.Tensor:
 
 def test_heuristic_tree_windows_are_per_request_depths() -> None:
     """Row 0 accepts down to the deepest selected level (grows by 2), row 1 stops short
-    (shrinks by 1): the windows are depths, learned from the accepted path's length."""
+    (shrinks by 1): the windows are depths, learned from the accepted path's length and the
+    deepest verified depth (observe's ``deepest``)."""
     selector = HeuristicSelector(k0=2, max_k=6)
     first = selector.select(TREE_LOGPROBS, parents=TREE)
     available = ~TREE_LOGPROBS.isneginf()
     assert torch.equal(first.mask, (TREE_DEPTH <= 2) & available)  # 4 nodes, 3 in row 1
     accepted = path([0, 2], [0])
     selector.update(first, accepted.sum(dim=1), accepted_nodes=accepted)
-    assert selector.windows().tolist() == [4, 1]
+    selector.observe(first.lengths.tolist(), accepted.sum(dim=1).tolist(), deepest=[2, 2])
+    assert selector.windows() == [4, 1]
     second = selector.select(TREE_LOGPROBS, parents=TREE)
     assert second.mask.tolist() == [[True] * 5, [True, False, False, False, False]]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import inspect
 import itertools
+import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -53,6 +54,18 @@ class _LastSelect:
     scores: Tensor  # [B, K] what was ranked (estimates, or the log-probs)
     parents: Tensor | None  # [B, N] for a tree selection
     positions: Tensor | None  # [B, N] depth - 1 of each node, for a tree selection
+
+
+@dataclass(frozen=True)
+class Outcomes:
+    """One step's host feedback as :meth:`Selector._observe` gets it (checked): per active row,
+    in row order, the draft tokens (tree nodes) verified, the draft tokens accepted and the
+    deepest verified depth (a chain's verified count); and which batch rows those are."""
+
+    verified: list[int]
+    accepted: list[int]
+    deepest: list[int]
+    active: list[bool] | None  # per batch row, whether it has an entry (None: not given)
 
 
 @dataclass(frozen=True)
@@ -335,32 +348,43 @@ class Selector(abc.ABC):
         verified: Sequence[int],
         accepted: Sequence[int],
         deepest: Sequence[int] | None = None,
+        active: Sequence[bool] | None = None,
     ) -> None:
         """Host-side feedback after verification: per active row, in row order, the draft
         tokens (tree nodes) the target verified, the draft tokens it accepted and, after a tree
         selection, the depth of the deepest node it verified (for a chain, the default, that
-        is ``verified``).
+        is ``verified``); and ``active``, one bool per batch row (the rows :meth:`select` sees),
+        saying which rows the entries belong to.
 
         The loop calls it once per step, after :meth:`update`, with numbers it has already read
         back to the host (``speculative_generate``'s one read-back per step, and replay), so it
         costs no sync. :meth:`update` gets the same outcomes as device tensors, which a selector
         could only read with a sync of its own. A selector that plans on the host learns from
-        these: DSD's acceptance estimate, and the goodput budget of
+        these: DSD's acceptance estimate, the goodput budget of
         :class:`~specselect.selectors.TetrisSelector`, which chooses its next
-        :meth:`draft_length` from them; they override :meth:`_observe`. A loop that never calls
-        it is still correct, but such a selector then plans from its prior.
+        :meth:`draft_length` from them, and HF's heuristic schedule, whose per-request windows
+        live on the host; they override :meth:`_observe`. A loop that never calls it is still
+        correct, but such a selector then plans from its prior (and says so once per
+        generation).
 
         ``deepest`` is what a tree's outcome means per depth: a row that accepted ``x`` tokens
         tested depths ``1..min(x + 1, deepest)`` (siblings compete for one depth).
 
+        ``active`` is what a selector with per-row state needs (the heuristic's windows): which
+        row each entry is. Without it, entries are taken as every row of the batch when there
+        are as many as its rows; selectors that pool the rows (DSD, the goodput budget) need
+        it never.
+
         Raises:
-            TypeError: an entry is not an int.
+            TypeError: an entry is not an int (a bool, for ``active``).
             ValueError: the sequences differ in length, or an entry is negative, or a row
                 accepted more than it verified, or its deepest depth is not between what it
                 accepted and what it verified (at least 1 where it verified anything), or
-                ``deepest`` is missing after a tree selection.
+                ``deepest`` is missing after a tree selection, or ``active`` does not mark one
+                row per entry.
         """
         outcomes = check_outcomes(verified, accepted, deepest)
+        rows = None if active is None else check_active_rows(active, len(outcomes[0]))
         tree = self._last is not None and self._last.parents is not None
         if deepest is None and tree and any(outcomes[0]):
             raise ValueError(
@@ -368,10 +392,11 @@ class Selector(abc.ABC):
                 "depth of each row's deepest verified node (verified counts nodes, siblings "
                 "included, so it is no depth)"
             )
-        self._observe(*outcomes)
+        self._observe(Outcomes(*outcomes, rows))
 
-    def _observe(self, verified: list[int], accepted: list[int], deepest: list[int]) -> None:  # noqa: B027
-        """Host planners override this (arguments checked); the default ignores them."""
+    def _observe(self, outcomes: Outcomes) -> None:  # noqa: B027
+        """Host planners override this (checked outcomes; ``active`` is ``None`` when the loop
+        did not say); the default ignores them."""
 
     def reset(self) -> None:
         """Forget all state learned from feedback (start of a new generation)."""
@@ -565,6 +590,58 @@ def _check_order(low_name: str, low: list[int], high_name: str, high: list[int])
             f"{low_name} must be <= {high_name}, got {low_name}[{i}] = {low[i]} > "
             f"{high_name}[{i}] = {high[i]}"
         )
+
+
+def check_active_rows(active: object, entries: int) -> list[bool]:
+    """``active`` (:meth:`Selector.observe`) as a list of bools, one per batch row, marking
+    exactly ``entries`` rows: the rows the outcomes belong to, in row order."""
+    if isinstance(active, str | bytes) or not isinstance(active, Sequence):
+        raise TypeError(
+            f"active must be a sequence of bools (one per batch row), got {type(active).__name__}"
+        )
+    flags = list(active)
+    if not all(type(flag) is bool for flag in flags):
+        i = next(i for i, flag in enumerate(flags) if type(flag) is not bool)
+        raise TypeError(f"active[{i}] must be a bool, got {type(flags[i]).__name__}")
+    if sum(flags) != entries:
+        raise ValueError(
+            f"active must mark one row per entry of verified, got {sum(flags)} rows marked "
+            f"active for {entries} entries"
+        )
+    return flags
+
+
+class ObserveWatch:
+    """Warns once per generation when a loop calls :meth:`Selector.draft_length` but never
+    :meth:`Selector.observe`: a selector that plans from ``observe`` alone would otherwise
+    keep planning from its prior, silently (a loop written for :meth:`Selector.update`).
+
+    Args:
+        owner: the selector's class name, for the message.
+        limit: steps without ``observe`` tolerated before the warning.
+        plans: what cannot adapt without it, for the message.
+    """
+
+    def __init__(self, owner: str, limit: int, plans: str) -> None:
+        self.owner, self.limit, self.plans = owner, limit, plans
+        self.unobserved = 0  # draft_length calls since the last observe (or reset)
+
+    def planned(self) -> None:
+        """One :meth:`Selector.draft_length` call: warns at the first beyond ``limit`` steps
+        without ``observe``."""
+        self.unobserved += 1
+        if self.unobserved == self.limit + 2:  # the first call precedes any step
+            warnings.warn(
+                f"{self.owner} learns from observe(): {self.limit + 1} steps passed without "
+                f"it, so {self.plans} cannot adapt; call selector.observe() with every step's "
+                "outcomes after update()",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def observed(self) -> None:
+        """An :meth:`Selector.observe` call (or a new generation): the count starts over."""
+        self.unobserved = 0
 
 
 def estimator_kwargs(estimator: str | None) -> dict[str, Any]:

@@ -17,8 +17,8 @@ One *step* for every active row (:mod:`specselect.hf.steps` has the details):
    target's token (cut after an EOS); both caches keep the accepted tokens' entries, the rest
    become holes.
 5. ``selector.update(selection, num_accepted)``, then ONE read-back (finished flags and
-   counts) on which the host retires rows, calls ``selector.observe`` with the counts and
-   plans the next step.
+   counts) on which the host retires rows, calls ``selector.observe`` with the counts (and
+   the rows they are) and plans the next step.
 
 Both models keep static KV caches (:mod:`specselect.hf.kv`) preallocated for the whole call:
 ``prompt + max_new_tokens + cache_slack`` columns per row, compacted in place between steps
@@ -34,12 +34,12 @@ memory (``GenerationState.read_back``): which rows finished, the per-row statist
 stays on the device, except on a CPU, where a read waits for nothing: there an eager tree step
 also reads its widest selection, so that its verify pass sends no more nodes than that
 (``CPU_TREE_READS_PER_STEP``). transformers adds no reads of its own, because every pass gets a
-4D attention mask. Selectors that plan on the host (DSD, the goodput budget) learn from
-``observe``, without a read of their own; only HF's heuristic schedule reads its largest window
-back, once per step (:mod:`specselect.selectors.heuristic` says why). Argument checks read
-values only for CPU tensors outside the loop (:mod:`specselect._checks`; the loop switches them
-off for the tensors it makes itself). Setup adds a few one-off reads (prompt checks, a seed for
-a generator of another device, the prompts' lengths).
+4D attention mask. Selectors that plan on the host (DSD, the goodput budget, HF's heuristic
+schedule) learn from ``observe``, which also says which of the caller's rows the counts are,
+without a read of their own. Argument checks read values only for CPU tensors outside the
+loop (:mod:`specselect._checks`; the loop switches them off for the tensors it makes itself).
+Setup adds a few one-off reads (prompt checks, a seed for a generator of another device, the
+prompts' lengths).
 
 Plain decoding: ``selector=None`` decodes one token per step with the same caches, stages and
 graphs (no draft model needed), so speculation's own gain is measured against a baseline that

@@ -16,7 +16,7 @@ A step is the same five parts for both (the skeleton is :meth:`Step.run`):
    verification, both caches' commits, emission and the report;
 5. **update**: ``selector.update`` (eager, or captured with selection), then the state's one
    read-back, and ``selector.observe`` with the verified, accepted and deepest verified counts
-   it brought back.
+   it brought back, and which of the caller's rows they are.
 
 Stages (2 and 4) run through a :class:`~specselect.hf.graphs.StageRunner`: eagerly, or captured
 per (bucket, widths) and replayed. They exchange data only through the state's persistent
@@ -130,7 +130,11 @@ class Step(abc.ABC):
         if self.selector is not None:  # the same feedback on the host: no sync of its own
             served = sorted((row, slot) for slot, row in enumerate(state.slot_rows) if row >= 0)
             slots = [slot for _, slot in served]  # the active rows' slots, in row order
-            self.selector.observe(*([report[r][s] for s in slots] for r in OBSERVED))
+            active = [False] * state.batch  # the caller's rows, as select sees them
+            for row, _ in served:
+                active[row] = True
+            verified, accepted, deepest = ([report[r][s] for s in slots] for r in OBSERVED)
+            self.selector.observe(verified, accepted, deepest, active=active)
         if drafter is not None:
             drafter.advanced(plan.width)
         advance = state.record(report, _now() - start)

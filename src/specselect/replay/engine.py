@@ -200,7 +200,9 @@ def iter_replay(
         accepted = torch.minimum(selection.lengths, runs)
         selector.update(selection, accepted)
         # What a live loop reads back after the step, as it passes it on.
-        selector.observe(selection.lengths[active].tolist(), accepted[active].tolist())
+        selector.observe(
+            selection.lengths[active].tolist(), accepted[active].tolist(), active=active.tolist()
+        )
         step_context = (
             _mean_context(prompt_lengths, requests, positions)
             if context is None
@@ -296,7 +298,8 @@ def replay(
     and in empty slots, which are also inactive); each active request accepts ``min(L, run)``
     and advances by that + 1; ``selector.update`` gets the accepted counts, and
     ``selector.observe`` the verified and accepted counts of the active slots as host ints,
-    as ``speculative_generate`` passes them after its read-back. A slot whose
+    with the slots they are (``active``), as ``speculative_generate`` passes them after its
+    read-back. A slot whose
     request finished is refilled at the next step. The selector receives each slot's request
     id (``request_ids``), so per-request state follows requests: a slot whose id changed is
     reset.

@@ -23,7 +23,6 @@ chain of that depth.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Hashable
 from typing import Any
 
@@ -31,7 +30,14 @@ from torch import Tensor
 
 from specselect._checks import check_int, check_probability, check_real
 from specselect.cost import CostModel, default_cost_model
-from specselect.selection import Selection, Selector, available_lengths, mask_inactive
+from specselect.selection import (
+    ObserveWatch,
+    Outcomes,
+    Selection,
+    Selector,
+    available_lengths,
+    mask_inactive,
+)
 from specselect.tree import available_nodes
 
 EMA_DECAY = 0.85  # weight of the previous estimate; the step's observation gets 1 - EMA_DECAY
@@ -160,7 +166,10 @@ class DSDSelector(Selector):
         self._alpha = self.alpha0  # the EMA of the observed acceptance
         self._alpha_chosen = self.alpha0  # the value the window is currently chosen from
         self._calls = 0  # draft_length calls since reset
-        self._unobserved = 0  # draft_length calls since the last observe
+        # A loop written for update() alone would keep the window of alpha0 forever.
+        self._watch = ObserveWatch(
+            type(self).__name__, self.interval, "its acceptance estimate (and window)"
+        )
         self._window: int | None = None  # the last window returned by draft_length
         self._probe = False  # this interval probes with window 1 instead of 0
 
@@ -168,7 +177,7 @@ class DSDSelector(Selector):
         """The goodput-optimal window for ``num_active`` requests, from the acceptance estimate
         as it was at the first call and at every ``interval``-th call after it."""
         check_int("num_active", num_active)
-        self._warn_if_unobserved()
+        self._watch.planned()
         rechoose = self._calls % self.interval == 0
         if rechoose:
             self._alpha_chosen = self._alpha
@@ -222,22 +231,9 @@ class DSDSelector(Selector):
         available = available_nodes(draft_logprobs, parents)  # [B, N]
         return Selection.from_mask(available & (depth <= window), active)
 
-    def _observe(self, verified: list[int], accepted: list[int], deepest: list[int]) -> None:
-        self._alpha = ema_step(self._alpha, sum(deepest), sum(accepted))
-        self._unobserved = 0
-
-    def _warn_if_unobserved(self) -> None:
-        """Once per generation: a loop written for ``update`` alone (DSD once learned there)
-        would otherwise keep the window of ``alpha0`` forever, silently."""
-        self._unobserved += 1
-        if self._unobserved == self.interval + 2:
-            warnings.warn(
-                f"DSDSelector learns from observe(): {self.interval + 1} steps passed without "
-                "it, so its acceptance estimate (and window) cannot adapt; call "
-                "selector.observe(verified, accepted) after update() every step",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+    def _observe(self, outcomes: Outcomes) -> None:
+        self._alpha = ema_step(self._alpha, sum(outcomes.deepest), sum(outcomes.accepted))
+        self._watch.observed()
 
     @classmethod
     def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any] | None:

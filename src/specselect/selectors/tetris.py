@@ -20,6 +20,7 @@ from specselect.estimators import (
 )
 from specselect.selection import (
     NEG_INF,
+    Outcomes,
     Selection,
     Selector,
     chain_scores,
@@ -233,9 +234,9 @@ class TetrisSelector(Selector):
             outcomes = self.outcomes(selection, num_accepted, accepted_nodes)
             self.guard.observe(self.last_scores, *outcomes)
 
-    def _observe(self, verified: list[int], accepted: list[int], deepest: list[int]) -> None:
+    def _observe(self, outcomes: Outcomes) -> None:
         if self._planner is not None:
-            self._planner.observe(verified, accepted, deepest)
+            self._planner.observe(outcomes.verified, outcomes.accepted, outcomes.deepest)
 
     @classmethod
     def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any]:
