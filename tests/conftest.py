@@ -129,6 +129,24 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _plain_terminal() -> Iterator[None]:
+    """An 80-column terminal without colours, whatever the machine running the tests has.
+
+    Output the tests read is laid out for the terminal: argparse wraps ``--help`` at
+    ``$COLUMNS`` (on a narrow one it breaks hyphenated words such as ``specselect-compare``
+    across lines), tqdm trims its bars to it, and Python 3.14's argparse colours help under
+    ``$FORCE_COLOR`` even when it is captured. 80 columns is what Python assumes where there is
+    no terminal, as in CI.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("COLUMNS", "80")
+        patch.setenv("LINES", "24")
+        patch.setenv("PYTHON_COLORS", "0")  # outranks FORCE_COLOR
+        patch.setenv("NO_COLOR", "1")
+        yield
+
+
 #: What each pass "takes" under :func:`planted_timings`: every term of the formula present.
 PLANTED_COSTS = CostModel(
     PassCost(2e-3, per_row=1e-4, per_row_context=2e-6),
