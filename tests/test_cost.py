@@ -575,8 +575,10 @@ def test_measure_fits_what_each_pass_takes(
     )
     assert max(measured.relative_errors()) < 1e-6
     for kind in ("draft", "verify"):
-        fitted, planted = (dataclasses.asdict(getattr(m, kind)) for m in (measured, planted_timings))
-        assert fitted == pytest.approx(planted, rel=1e-4, abs=1e-12), kind
+        fitted, planted = (getattr(m, kind) for m in (measured, planted_timings))
+        assert dataclasses.asdict(fitted) == pytest.approx(
+            dataclasses.asdict(planted), rel=1e-4, abs=1e-12
+        ), kind
 
 
 def test_measured_model_round_trips(measured: CostModel, tmp_path: Path) -> None:
