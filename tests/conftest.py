@@ -14,20 +14,25 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from specselect.cost import CostModel, CostSample, PassCost
 from specselect.estimators import RankingGuard
 from specselect.selection import Selection
 from specselect.selectors import TetrisSelector
 
 # A test run gates every change, so it must not pass once and fail on the next run: property
 # tests draw their examples from a seed derived from each test's name. `pytest
-# --hypothesis-profile=explore` draws new ones (and keeps failures in .hypothesis/).
-settings.register_profile("deterministic", derandomize=True)
-settings.register_profile("explore", derandomize=False)
+# --hypothesis-profile=explore` draws new ones (and keeps failures in .hypothesis/). Neither
+# profile times anything: a deadline per example, or the health check that generating examples
+# is too slow, fails on a slow or loaded machine (CI's is neither this one nor idle), not on
+# wrong code.
+_UNTIMED = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("deterministic", derandomize=True, **_UNTIMED)
+settings.register_profile("explore", derandomize=False, **_UNTIMED)
 settings.load_profile("deterministic")
 
 # Probabilities drawn from a pool, so that equal values (and equal cumulative products) are
@@ -122,6 +127,58 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _plain_terminal() -> Iterator[None]:
+    """An 80-column terminal without colours, whatever the machine running the tests has.
+
+    Output the tests read is laid out for the terminal: argparse wraps ``--help`` at
+    ``$COLUMNS`` (on a narrow one it breaks hyphenated words such as ``specselect-compare``
+    across lines), tqdm trims its bars to it, and Python 3.14's argparse colours help under
+    ``$FORCE_COLOR`` even when it is captured. 80 columns is what Python assumes where there is
+    no terminal, as in CI.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("COLUMNS", "80")
+        patch.setenv("LINES", "24")
+        patch.setenv("PYTHON_COLORS", "0")  # outranks FORCE_COLOR
+        patch.setenv("NO_COLOR", "1")
+        yield
+
+
+#: What each pass "takes" under :func:`planted_timings`: every term of the formula present.
+PLANTED_COSTS = CostModel(
+    PassCost(2e-3, per_row=1e-4, per_row_context=2e-6),
+    PassCost(8e-3, per_row=2e-4, per_token=3e-4, per_token_context=4e-7),
+)
+
+
+@pytest.fixture
+def planted_timings(monkeypatch: pytest.MonkeyPatch) -> CostModel:
+    """Make ``CostModel.measure`` time :data:`PLANTED_COSTS` instead of the machine.
+
+    The passes still run, but the clock of :mod:`specselect.profiling` only moves while one
+    does, and by what ``PLANTED_COSTS`` says it takes: every sample is then exact. Real
+    timings of tiny models on a shared machine are mostly noise, and a fit of noise can be
+    refused (a verification pass "free at context 0") or be arbitrarily far off, which is the
+    machine's doing, not the code's. Returns ``PLANTED_COSTS``.
+    """
+    import specselect.profiling as profiling
+
+    clock = [0.0]
+    run_pass = profiling._Pass.stage
+
+    def timed_pass(shape: profiling._Pass) -> None:
+        run_pass(shape)
+        tokens = 1 if shape.kind == "draft" else shape.batch * shape.width
+        timed = CostSample(shape.kind, shape.batch, tokens, float(shape.context), 0.0)
+        clock[0] += PLANTED_COSTS.predict(timed)
+
+    fake_time = type("PlantedTime", (), {"perf_counter": staticmethod(lambda: clock[0])})
+    monkeypatch.setattr(profiling._Pass, "stage", timed_pass)
+    monkeypatch.setattr(profiling, "time", fake_time)
+    return PLANTED_COSTS
 
 
 def paper_tetris(*args: object, **kwargs: object) -> TetrisSelector:

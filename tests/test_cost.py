@@ -527,11 +527,6 @@ def test_the_written_document_has_the_documented_keys(tmp_path: Path) -> None:
 # --- measuring tiny CPU models --------------------------------------------------------------
 
 MEASURE_GRID = {"batch_sizes": (1, 2, 4), "widths": (1, 4), "contexts": (16,), "repeats": 5}
-FIT_BOUND = 0.5
-"""The median relative error of a measured model on its own samples stays below this bound.
-
-Tiny models on a shared CPU are dominated by fixed per-call costs and timing noise, which no
-term explains; the bound catches a fit (or a measurement) that is wrong, not noise."""
 
 
 @pytest.fixture(scope="module")
@@ -555,7 +550,6 @@ def test_measure_times_the_grid_and_fits(measured: CostModel) -> None:
     ]
     assert kinds == expected
     assert all(s.seconds > 0 for s in measured.samples)
-    assert statistics.median(measured.relative_errors()) < FIT_BOUND
     source = measured.source
     assert source is not None
     assert (source.mode, source.dtype, source.note) == ("eager", "float32", "test")
@@ -565,6 +559,26 @@ def test_measure_times_the_grid_and_fits(measured: CostModel) -> None:
     assert source.grid["statistic"] == "median"
     assert set(source.models) == {"target", "draft"}
     assert source.details["threads"] >= 1 and "load_average_before" in source.details
+
+
+def test_measure_fits_what_each_pass_takes(
+    tiny_pair: tuple[Any, Any], planted_timings: CostModel
+) -> None:
+    """Each sample is the time of its own pass shape, and the fit of them is the model that
+    timed them. How well a fit explains real timings is the machine's: tiny models on a shared
+    CPU are mostly fixed per-call cost and noise, so the clock here is one that only the passes
+    move, by what ``planted_timings`` says each takes (at two contexts: every term is fitted)."""
+    grid = {**MEASURE_GRID, "contexts": (16, 48), "repeats": 3}
+    measured = CostModel.measure(*tiny_pair, progress=False, **grid)
+    assert [s.seconds for s in measured.samples] == pytest.approx(
+        [planted_timings.predict(s) for s in measured.samples], rel=1e-9
+    )
+    assert max(measured.relative_errors()) < 1e-6
+    for kind in ("draft", "verify"):
+        fitted, planted = (getattr(m, kind) for m in (measured, planted_timings))
+        assert dataclasses.asdict(fitted) == pytest.approx(
+            dataclasses.asdict(planted), rel=1e-4, abs=1e-12
+        ), kind
 
 
 def test_measured_model_round_trips(measured: CostModel, tmp_path: Path) -> None:

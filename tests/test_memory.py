@@ -200,6 +200,7 @@ CALLERS: list[tuple[Callable[[nn.Module, nn.Module], object], str]] = [
 ]
 
 
+@pytest.mark.usefixtures("planted_timings")  # profiling fits its timings: noise can be refused
 @pytest.mark.parametrize("available", [1 << 10, None, 1 << 40], ids=["short", "unknown", "plenty"])
 @pytest.mark.parametrize(("caller", "asked"), CALLERS, ids=["generate", "profile"])
 def test_caches_beyond_the_memory_are_refused_before_any_forward(
@@ -222,6 +223,7 @@ def test_caches_beyond_the_memory_are_refused_before_any_forward(
         assert set(forwards) == {"target", "draft"}
 
 
+@pytest.mark.usefixtures("planted_timings")
 def test_profiling_frees_a_context_s_caches_before_the_next(
     monkeypatch: pytest.MonkeyPatch, pair: tuple[nn.Module, nn.Module]
 ) -> None:
