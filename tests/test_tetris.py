@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import (
@@ -401,8 +401,45 @@ def test_top_c_mask_rejects_bad_arguments(scores, budget, error: type, name: str
         top_c_mask(scores, budget)
 
 
-def test_tetris_draft_length_is_k_plus_extra() -> None:
-    assert paper_tetris(k=3, extra=2).draft_length(7) == 5
+@pytest.mark.parametrize(
+    ("k", "extra", "budget", "active", "depth"),
+    [
+        (3, 2, None, 7, 5),  # k + extra
+        (3, 2, None, 2, 5),
+        (3, 2, None, 1, 3),  # one row, C = k: standard SD's window
+        (1, 4, None, 2, 2),  # C = k * active = 2
+        (3, 2, 4, 7, 4),  # an absolute budget below k + extra
+        (3, 2, 9, 1, 5),
+        (0, 2, None, 5, 0),  # C = 0: nothing could be verified
+    ],
+)
+def test_tetris_drafts_no_deeper_than_its_budget(
+    k: int, extra: int, budget: int | None, active: int, depth: int
+) -> None:
+    assert paper_tetris(k=k, extra=extra, budget=budget).draft_length(active) == depth
+
+
+@SETTINGS
+@given(
+    data=st.data(),
+    logprobs=logprob_matrices(max_rows=4, max_cols=7),
+    k=st.integers(0, 3),
+    budget=st.none() | st.integers(0, 6),
+)
+def test_tokens_beyond_the_draft_length_are_never_selected(
+    data: st.DataObject, logprobs: torch.Tensor, k: int, budget: int | None
+) -> None:
+    """Why :meth:`TetrisSelector.draft_length` may stop below ``k + extra``: the selection of
+    the full draft never reaches past it, so the shorter draft selects the same tokens."""
+    rows, width = logprobs.shape
+    assume(width >= k)
+    active = data.draw(active_masks(rows))
+    selector = paper_tetris(k=k, extra=width - k, budget=budget)
+    depth = selector.draft_length(int(active.sum()))
+    full = selector.select(logprobs, active).mask  # [B, W]
+    assert not full[:, depth:].any()
+    short = selector.select(logprobs[:, :depth].contiguous(), active).mask  # [B, depth]
+    assert torch.equal(short, full[:, :depth])
 
 
 # --------------------------------------------------------------------------------------------

@@ -129,12 +129,24 @@ class TetrisSelector(Selector):
             self._planner.reset()
 
     def draft_length(self, num_active: int) -> int:
-        """``k + extra``; with the goodput budget, the depth in ``[0, k + extra]`` with the
-        best modelled goodput for ``num_active`` rows, from the outcomes :meth:`observe` saw."""
+        """``k + extra``, or the budget when smaller; with the goodput budget, the depth in
+        ``[0, k + extra]`` with the best modelled goodput for ``num_active`` rows, from the
+        outcomes :meth:`observe` saw.
+
+        A token at depth ``j`` is selected only with its ``j - 1`` predecessors (prefix and
+        ancestor closure), so a depth beyond the budget ``C`` can never be verified: drafting
+        it is a wasted draft pass. With one active row and ``C = k`` (batch size 1, or the
+        last request of a batch) TETRIS selects exactly standard SD's window, and now drafts
+        only that.
+        """
         check_int("num_active", num_active)
         if self._planner is not None:
             return self._planner.depth(num_active)
-        return self.k + self.extra
+        return min(self.k + self.extra, self._step_budget(num_active))
+
+    def _step_budget(self, num_active: int) -> int:
+        """The absolute budget ``C`` of a step with ``num_active`` rows (not the goodput one)."""
+        return self.budget if isinstance(self.budget, int) else self.k * num_active
 
     def max_selected(self, width: int, num_active: int) -> int:
         """``width``, or the budget when smaller: ``C`` itself, or ``k · num_active`` (what
