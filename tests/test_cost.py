@@ -490,7 +490,7 @@ BAD_FILES = {
 def test_load_names_the_file_and_the_problem(tmp_path: Path, change: tuple, says: str) -> None:
     good = CostModel.fit(GOOD, source=SOURCE).to_json()
     path = tmp_path / "bad.json"
-    path.write_text(json.dumps(mutate(good, *change)))
+    path.write_text(json.dumps(mutate(good, *change)), encoding="utf-8")
     with pytest.raises(CostFileError) as info:
         CostModel.load(path)
     message = str(info.value)
@@ -504,7 +504,7 @@ def test_load_names_the_file_and_the_problem(tmp_path: Path, change: tuple, says
 )
 def test_load_rejects_what_is_not_a_cost_document(tmp_path: Path, text: str, says: str) -> None:
     path = tmp_path / "bad.json"
-    path.write_text(text)
+    path.write_text(text, encoding="utf-8")
     with pytest.raises(CostFileError, match=re_escape(says)):
         CostModel.load(path)
 
@@ -517,7 +517,9 @@ def test_load_of_a_missing_file_or_a_directory(tmp_path: Path) -> None:
 
 
 def test_the_written_document_has_the_documented_keys(tmp_path: Path) -> None:
-    document = json.loads(CostModel.fit(GOOD, source=SOURCE).save(tmp_path / "c.json").read_text())
+    document = json.loads(
+        CostModel.fit(GOOD, source=SOURCE).save(tmp_path / "c.json").read_text(encoding="utf-8")
+    )
     assert document["format"] == COST_FORMAT and document["version"] == COST_VERSION
     assert set(document) == {"format", "version", "draft", "verify", "source", "samples"}
     assert document["verify"]["knee"] == 64

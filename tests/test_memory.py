@@ -262,7 +262,7 @@ def test_host_memory_from_meminfo_else_sysconf(
 ) -> None:
     path = tmp_path / "meminfo"
     if meminfo is not None:
-        path.write_text(meminfo)
+        path.write_text(meminfo, encoding="utf-8")
     if sysconf is not None:
 
         def fake_sysconf(name: str) -> int:

@@ -234,7 +234,10 @@ def test_load_rejects_a_missing_file(tmp_path) -> None:
 
 # Files that are not traces: name -> (writer, what the error says)
 OTHER_FILES: dict[str, tuple[Callable[[Path], object], str]] = {
-    "text": (lambda p: p.write_text("some text\n"), "is not a specselect trace file"),
+    "text": (
+        lambda p: p.write_text("some text\n", encoding="utf-8"),
+        "is not a specselect trace file",
+    ),
     "other tensors": (
         lambda p: torch.save({"weights": torch.zeros(2)}, p),
         "is not a specselect trace file",
