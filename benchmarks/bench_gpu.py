@@ -522,7 +522,7 @@ def trained_pair(
     if (
         stored is not None
         and stored.exists()
-        and json.loads(stored.read_text()) == json.loads(json.dumps(meta))
+        and json.loads(stored.read_text(encoding="utf-8")) == json.loads(json.dumps(meta))
     ):
         target = LlamaForCausalLM.from_pretrained(stored.parent / "target").to(device).eval()
         draft = LlamaForCausalLM.from_pretrained(stored.parent / "draft").to(device).eval()
@@ -543,7 +543,7 @@ def trained_pair(
     if cache is not None:
         target.save_pretrained(cache / "target")
         draft.save_pretrained(cache / "draft")
-        (cache / "meta.json").write_text(json.dumps(meta))
+        (cache / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
     return target, draft, tokenizer, held
 
 

@@ -288,7 +288,7 @@ def main() -> None:
     print()
     print(table)
     if args.output:
-        with open(args.output, "w") as f:
+        with open(args.output, "w", encoding="utf-8") as f:
             f.write(table + "\n")
 
 

@@ -566,7 +566,7 @@ def fp16_argmax_match(model_fp32: PreTrainedModel, path: Path, stream: Tensor) -
 
 
 def write_card(out: Path, card: dict) -> None:
-    (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    (out / "card.json").write_text(json.dumps(card, indent=2) + "\n", encoding="utf-8")
     m = card["measurements"]
     t = card["test"]
     lines = [
@@ -650,7 +650,7 @@ def write_card(out: Path, card: dict) -> None:
         "between machines and library versions, not for a retrained pair).",
         "",
     ]
-    (out / "MODEL_CARD.md").write_text("\n".join(lines))
+    (out / "MODEL_CARD.md").write_text("\n".join(lines), encoding="utf-8")
 
 
 # ----------------------------------------------------------------------------- main
@@ -720,7 +720,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     train_files, held = split_files(files, args.held_out_fraction)
     _log(f"{len(train_files)} training files, {len(held)} held out", t0)
     prompts = build_prompts(held, NUM_PROMPTS_PER_KIND)
-    with (out / "prompts.jsonl").open("w") as fh:
+    with (out / "prompts.jsonl").open("w", encoding="utf-8") as fh:
         fh.writelines(json.dumps(p) + "\n" for p in prompts)
 
     if args.target_from is None:
@@ -738,7 +738,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         t_run = train_for(target, lm_loss, train_stream, t_budget, args.lr, args.seed, "T")
     else:
         target = load_fp32(args.target_from / "target")
-        t_run = json.loads((args.target_from / "card.json").read_text())["target"]
+        t_run = json.loads((args.target_from / "card.json").read_text(encoding="utf-8"))["target"]
         t_run = {"steps": t_run["steps"], "seconds": t_run["seconds"]}
     _log(f"target done: {t_run}", t0)
     draft = make_model(make_config(tokenizer, 128, 2, 4, 344))

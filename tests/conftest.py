@@ -8,6 +8,7 @@ rule rather than the exception, and the rest from a continuous range.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -154,31 +155,45 @@ PLANTED_COSTS = CostModel(
 )
 
 
-@pytest.fixture
-def planted_timings(monkeypatch: pytest.MonkeyPatch) -> CostModel:
-    """Make ``CostModel.measure`` time :data:`PLANTED_COSTS` instead of the machine.
+def plant_timings(
+    monkeypatch: pytest.MonkeyPatch,
+    slowdown: Callable[[Any, int], float] | None = None,
+    costs: CostModel = PLANTED_COSTS,
+) -> CostModel:
+    """Make ``CostModel.measure`` time ``costs`` instead of the machine.
 
     The passes still run, but the clock of :mod:`specselect.profiling` only moves while one
-    does, and by what ``PLANTED_COSTS`` says it takes: every sample is then exact. Real
-    timings of tiny models on a shared machine are mostly noise, and a fit of noise can be
-    refused (a verification pass "free at context 0") or be arbitrarily far off, which is the
-    machine's doing, not the code's. Returns ``PLANTED_COSTS``.
+    does, and by what ``costs`` says it takes, times ``slowdown(shape, call)`` where given: how
+    much a busy machine slows the ``call``-th pass (from 0, warm-up included), of pass shape
+    ``shape`` (a ``specselect.profiling._Pass``). Without it every sample is exact. Returns
+    ``costs``.
     """
     import specselect.profiling as profiling
 
     clock = [0.0]
+    calls = itertools.count()
     run_pass = profiling._Pass.stage
 
     def timed_pass(shape: profiling._Pass) -> None:
         run_pass(shape)
         tokens = 1 if shape.kind == "draft" else shape.batch * shape.width
         timed = CostSample(shape.kind, shape.batch, tokens, float(shape.context), 0.0)
-        clock[0] += PLANTED_COSTS.predict(timed)
+        call = next(calls)
+        clock[0] += costs.predict(timed) * (slowdown(shape, call) if slowdown else 1.0)
 
     fake_time = type("PlantedTime", (), {"perf_counter": staticmethod(lambda: clock[0])})
     monkeypatch.setattr(profiling._Pass, "stage", timed_pass)
     monkeypatch.setattr(profiling, "time", fake_time)
-    return PLANTED_COSTS
+    return costs
+
+
+@pytest.fixture
+def planted_timings(monkeypatch: pytest.MonkeyPatch) -> CostModel:
+    """:func:`plant_timings` on an idle machine: every sample is exact. Real timings of tiny
+    models on a shared machine are mostly noise, and a fit of noise can be refused (a
+    verification pass "free at context 0") or be arbitrarily far off, which is the machine's
+    doing, not the code's. Returns ``PLANTED_COSTS``."""
+    return plant_timings(monkeypatch)
 
 
 def paper_tetris(*args: object, **kwargs: object) -> TetrisSelector:

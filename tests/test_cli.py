@@ -133,11 +133,11 @@ def test_compare_writes_table_json_report_and_plots(compare_run: dict) -> None:
     for name in [*SELECTORS, "oracle"]:
         assert f"\n{name} " in table, name
     assert "tok/step" in table and "VSR" in table and "goodput" in table
-    results = json.loads((out / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
     expected = selector_grid([*default_selectors(), "oracle"], [1, 2], [1, 2], BUDGETS)
     assert len(results["rows"]) == len(expected)
     assert {r["label"] for r in results["rows"]} == {c.label for c in expected}
-    report = (out / "report.md").read_text()
+    report = (out / "report.md").read_text(encoding="utf-8")
     assert "| selector |" in report and "## Summary" in report
     assert "## Reliability of the ranked scores" in report
     # raw TETRIS (the paper) and TETRIS with each estimator are all compared by default
@@ -157,7 +157,7 @@ def test_compare_numbers_match_the_library(compare_run: dict) -> None:
     """Every JSON row equals a direct library replay of the saved traces."""
     out: Path = compare_run["out"]
     traces = load_traces(out / "traces.pt")
-    results = json.loads((out / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
     configs = {
         c.label: c for c in selector_grid([*default_selectors(), "oracle"], [1, 2], [1, 2], BUDGETS)
     }
@@ -177,7 +177,7 @@ def test_compare_numbers_match_the_library(compare_run: dict) -> None:
 
 
 def test_compare_reuses_traces_without_models(compare_run: dict, tmp_path: Path) -> None:
-    first = json.loads((compare_run["out"] / "results.json").read_text())
+    first = json.loads((compare_run["out"] / "results.json").read_text(encoding="utf-8"))
     code, _, stderr = run_main(
         [
             "compare",
@@ -197,7 +197,7 @@ def test_compare_reuses_traces_without_models(compare_run: dict, tmp_path: Path)
         ]
     )
     assert code == 0, stderr
-    second = json.loads((tmp_path / "results.json").read_text())
+    second = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
     before = {r["label"]: r["metrics"] for r in first["rows"]}
     assert {r["selector"] for r in second["rows"]} == {"fixed", "tetris", "oracle"}
     for row in second["rows"]:
@@ -236,7 +236,7 @@ def live_run(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
         ]
     )
     assert code == 0, stderr
-    rows = json.loads((out / "results.json").read_text())["rows"]
+    rows = json.loads((out / "results.json").read_text(encoding="utf-8"))["rows"]
     return {"stdout": stdout, "out": out, "rows": rows}
 
 
@@ -297,7 +297,7 @@ def test_live_oracle_replays_static_batches(live_run: dict) -> None:
         assert row["metrics"]["tokens_per_step"] == pytest.approx(static.tokens_per_step)
         assert row["metrics"]["goodput"] == pytest.approx(static.goodput)
     assert differs  # otherwise this test could not tell the two replays apart
-    report = (live_run["out"] / "report.md").read_text()
+    report = (live_run["out"] / "report.md").read_text(encoding="utf-8")
     note = next(line for line in report.splitlines() if line.startswith("Goodput is"))
     assert "`oracle`" in note and "**modelled**" in note
 
@@ -496,13 +496,13 @@ def test_reused_traces_matching_inputs_and_limit_warning(
     same += ["--prompts", str(model_dirs["prompts"])]
     code, _, stderr = _reuse(compare_run, tmp_path / "a", *same, "--limit", "2")
     assert code == 0 and "warning" not in stderr, stderr
-    results = json.loads((tmp_path / "a" / "results.json").read_text())
+    results = json.loads((tmp_path / "a" / "results.json").read_text(encoding="utf-8"))
     assert results["meta"]["traces"]["requests"] == 2
     code, _, stderr = _reuse(compare_run, tmp_path / "b", "--limit", "9")
     assert code == 0, stderr
     warnings = [line for line in stderr.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "--limit 9" in warnings[0] and "(4)" in warnings[0]
-    results = json.loads((tmp_path / "b" / "results.json").read_text())
+    results = json.loads((tmp_path / "b" / "results.json").read_text(encoding="utf-8"))
     assert results["meta"]["traces"]["requests"] == 4
 
 
@@ -678,7 +678,7 @@ def test_limit_beyond_the_prompts_warns(model_dirs: dict[str, Path], tmp_path: P
     assert stderr.splitlines() == [
         "specselect: warning: --limit 9 is more than the 5 prompts given; using those 5"
     ]
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
     assert results["meta"]["traces"]["requests"] == 5
 
 
@@ -705,7 +705,9 @@ def test_threads_apply_to_the_run_only(
             code, _, stderr = _reuse(compare_run, tmp_path / name, *threads)
             assert code == 0, stderr
             assert torch.get_num_threads() == 3
-            meta = json.loads((tmp_path / name / "results.json").read_text())["meta"]
+            meta = json.loads((tmp_path / name / "results.json").read_text(encoding="utf-8"))[
+                "meta"
+            ]
             assert meta["threads"] == seen[-1]
     finally:
         torch.set_num_threads(before)
@@ -723,7 +725,7 @@ def test_compare_draws_no_random_numbers(compare_run: dict, tmp_path: Path) -> N
         assert code == 0, stderr
         warnings = [f"specselect: warning: {SEED_DEPRECATED}"] if seed else []
         assert stderr.splitlines() == warnings
-        results.append(json.loads((tmp_path / name / "results.json").read_text()))
+        results.append(json.loads((tmp_path / name / "results.json").read_text(encoding="utf-8")))
         assert torch.equal(torch.random.get_rng_state(), before)
     unseeded, seeded = results
     assert unseeded["rows"] == seeded["rows"] and "seed" not in seeded["meta"]
@@ -812,7 +814,7 @@ def test_compare_on_the_shipped_pair(tmp_path: Path, monkeypatch: pytest.MonkeyP
         ]
     )
     assert code == 0, stderr
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
     assert results["meta"]["models"]["source"] == "shipped tiny pair"
     summary = results["meta"]["traces"]
     assert summary["requests"] == 4
@@ -833,11 +835,13 @@ def test_compare_uses_the_shipped_cost_model_and_says_so(compare_run: dict) -> N
     described = shipped.describe()
     assert described.startswith("cost-cpu.json: CPU ") and "eager" in described
     assert compare_run["stdout"].splitlines()[0] == f"modelled goodput: cost model {described}"
-    meta = json.loads((compare_run["out"] / "results.json").read_text())["meta"]
+    meta = json.loads((compare_run["out"] / "results.json").read_text(encoding="utf-8"))["meta"]
     assert meta["cost_model"]["description"] == described
     assert meta["cost_model"]["file"] == shipped.path
     assert (meta["cost_model"]["mode"], meta["cost_model"]["dtype"]) == ("eager", "float32")
-    assert f"cost model `{described}`" in (compare_run["out"] / "report.md").read_text()
+    assert f"cost model `{described}`" in (compare_run["out"] / "report.md").read_text(
+        encoding="utf-8"
+    )
 
 
 def test_compare_cost_model_option(compare_run: dict, tmp_path: Path) -> None:
@@ -850,7 +854,7 @@ def test_compare_cost_model_option(compare_run: dict, tmp_path: Path) -> None:
         stdout.splitlines()[0] == "modelled goodput: cost model mine.json: hand-made cost "
         "model (not measured)"
     )
-    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    results = json.loads((tmp_path / "out" / "results.json").read_text(encoding="utf-8"))
     assert results["meta"]["cost_model"]["file"] == str(path)
     traces = load_traces(compare_run["out"] / "traces.pt")
     configs = {c.label: c for c in selector_grid(["fixed", "tetris", "oracle"], [1], [1])}
@@ -947,10 +951,10 @@ def test_replay_records_the_traces_device_and_dtype(
         compare_run, out, "--dtype", "bfloat16", "--device", "cuda:3", traces=path
     )
     assert code == 0, stderr
-    meta = json.loads((out / "results.json").read_text())["meta"]
+    meta = json.loads((out / "results.json").read_text(encoding="utf-8"))["meta"]
     assert meta["dtype"] == "float32" == meta["models"]["target"]["dtype"]
     assert meta.get("device") == ("cpu" if recorded_device else None)
-    report = (out / "report.md").read_text().split("## Setup")[1]
+    report = (out / "report.md").read_text(encoding="utf-8").split("## Setup")[1]
     setup = dict(re.findall(r"^- \*\*(\w+)\*\*: (.*)$", report, flags=re.MULTILINE))
     assert setup["dtype"] == "float32"
     assert setup.get("device") == ("cpu" if recorded_device else None)

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import nnls
 
+from conftest import plant_timings
 from hf_models import tiny_model
 from specselect.cost import (
     COST_FORMAT,
@@ -490,7 +491,7 @@ BAD_FILES = {
 def test_load_names_the_file_and_the_problem(tmp_path: Path, change: tuple, says: str) -> None:
     good = CostModel.fit(GOOD, source=SOURCE).to_json()
     path = tmp_path / "bad.json"
-    path.write_text(json.dumps(mutate(good, *change)))
+    path.write_text(json.dumps(mutate(good, *change)), encoding="utf-8")
     with pytest.raises(CostFileError) as info:
         CostModel.load(path)
     message = str(info.value)
@@ -504,7 +505,7 @@ def test_load_names_the_file_and_the_problem(tmp_path: Path, change: tuple, says
 )
 def test_load_rejects_what_is_not_a_cost_document(tmp_path: Path, text: str, says: str) -> None:
     path = tmp_path / "bad.json"
-    path.write_text(text)
+    path.write_text(text, encoding="utf-8")
     with pytest.raises(CostFileError, match=re_escape(says)):
         CostModel.load(path)
 
@@ -517,7 +518,9 @@ def test_load_of_a_missing_file_or_a_directory(tmp_path: Path) -> None:
 
 
 def test_the_written_document_has_the_documented_keys(tmp_path: Path) -> None:
-    document = json.loads(CostModel.fit(GOOD, source=SOURCE).save(tmp_path / "c.json").read_text())
+    document = json.loads(
+        CostModel.fit(GOOD, source=SOURCE).save(tmp_path / "c.json").read_text(encoding="utf-8")
+    )
     assert document["format"] == COST_FORMAT and document["version"] == COST_VERSION
     assert set(document) == {"format", "version", "draft", "verify", "source", "samples"}
     assert document["verify"]["knee"] == 64
@@ -561,6 +564,32 @@ def test_measure_times_the_grid_and_fits(measured: CostModel) -> None:
     assert source.details["threads"] >= 1 and "load_average_before" in source.details
 
 
+PLANTED_GRID = {**MEASURE_GRID, "contexts": (16, 48), "repeats": 3}
+# Calls of one measurement of PLANTED_GRID: per context, 3 batch sizes x (a draft pass and 2
+# widths) x (2 warm-up and 3 timed calls).
+CALLS_PER_MEASUREMENT = 90
+# Passes that cost per token, a sixth of it at context 16 spent on attention: if the machine is 3x
+# slower while context 48 is timed, that looks like attention alone, and the fit is free.
+COMPUTE_BOUND = CostModel(
+    PassCost(1e-4, per_row=1e-3), PassCost(2e-5, per_token=1e-3, per_token_context=1e-5)
+)
+
+
+def assert_measures(measured: CostModel, planted: CostModel, measurements: int = 1) -> None:
+    """``measured`` timed what ``planted`` says (``measurements`` times), and fits it."""
+    assert measured.source is not None
+    assert measured.source.details["measurements"] == measurements
+    assert [s.seconds for s in measured.samples] == pytest.approx(
+        [planted.predict(s) for s in measured.samples], rel=1e-9
+    )
+    assert max(measured.relative_errors()) < 1e-6
+    for kind in ("draft", "verify"):
+        fitted, true = (getattr(m, kind) for m in (measured, planted))
+        assert dataclasses.asdict(fitted) == pytest.approx(
+            dataclasses.asdict(true), rel=1e-4, abs=1e-12
+        ), kind
+
+
 def test_measure_fits_what_each_pass_takes(
     tiny_pair: tuple[Any, Any], planted_timings: CostModel
 ) -> None:
@@ -568,17 +597,46 @@ def test_measure_fits_what_each_pass_takes(
     timed them. How well a fit explains real timings is the machine's: tiny models on a shared
     CPU are mostly fixed per-call cost and noise, so the clock here is one that only the passes
     move, by what ``planted_timings`` says each takes (at two contexts: every term is fitted)."""
-    grid = {**MEASURE_GRID, "contexts": (16, 48), "repeats": 3}
-    measured = CostModel.measure(*tiny_pair, progress=False, **grid)
-    assert [s.seconds for s in measured.samples] == pytest.approx(
-        [planted_timings.predict(s) for s in measured.samples], rel=1e-9
+    assert_measures(CostModel.measure(*tiny_pair, progress=False, **PLANTED_GRID), planted_timings)
+
+
+def test_measure_times_again_when_a_busy_spell_fits_free_verification(
+    tiny_pair: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Contexts are timed one after another: 3x slower while the first measurement times
+    context 48, passes look as if attention were all they cost, and the fit prices
+    verification at context 0 as free. The grid is timed again (the spell is over), each shape
+    keeps its faster sample, and the fit is exact."""
+
+    def busy_while_first_timing_48(shape: Any, call: int) -> float:
+        return 3.0 if shape.context == 48 and call < CALLS_PER_MEASUREMENT else 1.0
+
+    planted = plant_timings(monkeypatch, busy_while_first_timing_48, COMPUTE_BOUND)
+    measured = CostModel.measure(*tiny_pair, progress=False, **PLANTED_GRID)
+    assert_measures(measured, planted, measurements=2)
+
+
+def test_measure_says_what_it_measured_when_verification_stays_free(
+    tiny_pair: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """3x slower whenever context 48 is timed: timing again does not help, and the error shows
+    the times per context and what to change."""
+    planted = plant_timings(
+        monkeypatch, lambda shape, _: 3.0 ** (shape.context == 48), COMPUTE_BOUND
     )
-    assert max(measured.relative_errors()) < 1e-6
-    for kind in ("draft", "verify"):
-        fitted, planted = (getattr(m, kind) for m in (measured, planted_timings))
-        assert dataclasses.asdict(fitted) == pytest.approx(
-            dataclasses.asdict(planted), rel=1e-4, abs=1e-12
-        ), kind
+    with pytest.raises(ValueError, match="costs nothing at context 0") as caught:
+        CostModel.measure(*tiny_pair, progress=False, **PLANTED_GRID)
+    smallest = [CostSample("verify", 1, 1, context, 0.0) for context in (16.0, 48.0)]
+    took = [planted.predict(smallest[0]), 3.0 * planted.predict(smallest[1])]
+    for says in (
+        "contexts 16, 48 (twice, the second time in reverse order of context)",
+        f"took {took[0] * 1e3:.3g} ms at context 16, {took[1] * 1e3:.3g} ms at context 48",
+        "idle machine",
+        "--repeats",
+        "--statistic min",
+        "--contexts",
+    ):
+        assert says in str(caught.value)
 
 
 def test_measured_model_round_trips(measured: CostModel, tmp_path: Path) -> None:

@@ -6,14 +6,13 @@ left-padded prompts in one batch. The empirical distribution of the first two ge
 (jointly) and of the third token must match the exact target distribution, computed by
 enumerating every prefix with the target and processing its logits with HuggingFace's own
 temperature/top-k/top-p warpers (an implementation independent of specselect.sampling).
-Chi-square goodness of fit, alpha = 0.001 per test, fixed seeds.
+Chi-square goodness of fit at the suite's level ``ALPHA`` (tests/_stats.py), fixed seeds.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -22,11 +21,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from _stats import ALPHA, chi_square_pvalue
 from hf_models import PAD_ID, tiny_pair
 from specselect import make_selector
 from specselect.hf import speculative_generate
 
-ALPHA = 0.001
 VOCAB = 8
 ROWS_PER_PROMPT = 2500
 PROMPTS = ([5, 3, 7, 4, 6], [6, 4])  # different lengths: the second is left-padded
@@ -68,17 +67,6 @@ def exact_distributions(target, prompt: list[int], config) -> tuple[torch.Tensor
     return joint, (joint.reshape(-1, 1) * third).sum(dim=0)
 
 
-def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
-    """Goodness-of-fit p-value; cells expecting fewer than 5 counts are pooled into one."""
-    observed, expected = observed.double().reshape(-1), probs.reshape(-1) * observed.sum()
-    small = expected < 5
-    obs = torch.cat([observed[~small], observed[small].sum().view(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
-    keep = exp > 0
-    assert int(obs[~keep].sum()) == 0, "a token with probability 0 was generated"
-    return float(chisquare(obs[keep].numpy(), exp[keep].numpy()).pvalue)
-
-
 def interleaved_prompts(rows_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask)``: ``PROMPTS`` alternating row by row, left-padded."""
     width = max(len(p) for p in PROMPTS)
@@ -97,7 +85,7 @@ def assert_follows_target(target, new: torch.Tensor, config: dict[str, float]) -
         joint, third = exact_distributions(target, prompt, config)
         rows = new[i :: len(PROMPTS)]
         observed_joint = torch.bincount(rows[:, 0] * VOCAB + rows[:, 1], minlength=VOCAB**2)
-        assert chi_square_pvalue(observed_joint, joint) > ALPHA
+        assert chi_square_pvalue(observed_joint, joint.reshape(-1)) > ALPHA
         assert chi_square_pvalue(torch.bincount(rows[:, 2], minlength=VOCAB), third) > ALPHA
 
 
@@ -153,7 +141,7 @@ def test_sampling_uses_generate_default_top_k(model_top_k, caller_config, top_k:
     generation_config, then transformers' global defaults (top_k=50). On a 128-token vocabulary
     with flat distributions, about half of the full-vocabulary samples fall outside the top 50.
     No token outside the context's top-k may appear (it has probability 0), and the first token
-    must follow the top-k distribution: chi-square, alpha = 0.001, fixed seed."""
+    must follow the top-k distribution: chi-square at ``ALPHA``, fixed seed."""
     target, draft = tiny_pair("llama", 0, noise=0.02, init_range=0.05)
     for model in (target, draft):
         model.generation_config.top_k = model_top_k

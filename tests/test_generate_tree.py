@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers import LlamaForCausalLM
 
+from _stats import ALPHA, chi_square_pvalue
 from hf_models import (
     ARCHS,
     PAD_ID,
@@ -33,12 +34,7 @@ from specselect.hf import (
 from specselect.hf.compat import ModelHandle
 from specselect.tree import build_tree_buffers
 from test_generate_greedy import MAX_NEW, MAX_PROMPT, SEEDS, assert_covers_both_endings, case
-from test_generate_sampling import (
-    ALPHA,
-    assert_follows_target,
-    chi_square_pvalue,
-    interleaved_prompts,
-)
+from test_generate_sampling import assert_follows_target, interleaved_prompts
 from test_generate_sampling import pair as sampling_pair  # noqa: F401  (module fixture)
 
 TREE = TreeSpec(depth=4, branch=2, width=2)
@@ -353,7 +349,7 @@ def test_tree_sampling_follows_target_distribution(
     selector_name: str,
     config: dict[str, float],
 ) -> None:
-    """Chi-square goodness of fit (alpha = 0.001 per test, fixed seed) of the first two tokens
+    """Chi-square goodness of fit (at ``ALPHA``, fixed seed) of the first two tokens
     (jointly) and the third token against the exact target distribution; the tree is
     depth 2 x branch 2 x width 2 (MAX_NEW = 3 caps the depth at 2)."""
     target, draft = sampling_pair
@@ -416,8 +412,8 @@ def test_tree_sampling_stays_lossless_when_a_level_outgrows_the_width() -> None:
     """With ``width`` < nodes per level the drafter chooses which sampled nodes to expand; by
     their own log q, a later sibling's verification would depend on its own token (its
     rivals' children compete with it for the budget): first-token frequency of token 2 was
-    0.105 against p = 0.149 (chi-square p ~ 1e-20 at these 6000 rows). Chi-square, alpha =
-    0.001, fixed seed; constant models make the exact target distribution ``p``."""
+    0.105 against p = 0.149 (chi-square p ~ 1e-20 at these 6000 rows). Chi-square at ``ALPHA``,
+    fixed seed; constant models make the exact target distribution ``p``."""
     p, q = [0.03, 0.084, 0.149, 0.737], [0.423, 0.126, 0.023, 0.428]
     target, draft = constant_lm(p, seed=0), constant_lm(q, seed=1)
     rows = 6000

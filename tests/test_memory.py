@@ -29,8 +29,10 @@ from specselect.hf.memory import (
     CacheNeed,
     available_bytes,
     cache_bytes,
+    cgroup_available_bytes,
     check_memory,
     host_available_bytes,
+    machine_available_bytes,
     mask_bytes,
 )
 
@@ -253,7 +255,7 @@ def test_profiling_frees_a_context_s_caches_before_the_next(
     ],
     ids=["meminfo", "no meminfo", "no MemAvailable", "neither"],
 )
-def test_host_memory_from_meminfo_else_sysconf(
+def test_machine_memory_from_meminfo_else_sysconf(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
     meminfo: str | None,
@@ -262,7 +264,7 @@ def test_host_memory_from_meminfo_else_sysconf(
 ) -> None:
     path = tmp_path / "meminfo"
     if meminfo is not None:
-        path.write_text(meminfo)
+        path.write_text(meminfo, encoding="utf-8")
     if sysconf is not None:
 
         def fake_sysconf(name: str) -> int:
@@ -271,7 +273,101 @@ def test_host_memory_from_meminfo_else_sysconf(
             return sysconf[name]
 
         monkeypatch.setattr(hf_memory.os, "sysconf", fake_sysconf)
-    assert host_available_bytes(str(path)) == expected
+    assert machine_available_bytes(str(path)) == expected
+
+
+GIB = 1 << 30
+V2_JOB = {"job/memory.max": f"{4 * GIB}\n", "job/memory.current": f"{GIB}\n"}
+V1_JOB = {
+    "memory/ci/memory.limit_in_bytes": f"{3 * GIB}\n",
+    "memory/ci/memory.usage_in_bytes": f"{GIB}\n",
+}
+V1_NO_LIMIT = "9223372036854771712\n"  # what cgroup v1 writes for none, with 4 KiB pages
+
+
+def fake_cgroups(tmp_path: Path, membership: str, files: dict[str, str]) -> tuple[str, str]:
+    """A ``/proc/self/cgroup`` holding ``membership`` and a cgroup mount holding ``files``
+    (paths relative to the mount); returns both paths."""
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text, encoding="ascii")
+    cgroups = tmp_path / "self-cgroup"
+    cgroups.write_text(membership, encoding="ascii")
+    return str(cgroups), str(root)
+
+
+@pytest.mark.parametrize(
+    ("membership", "files", "expected"),
+    [
+        ("0::/job\n", V2_JOB, 3 * GIB),
+        (
+            "0::/job\n",
+            {**V2_JOB, "job/memory.stat": "active_file 7\ninactive_file 1024\n"},
+            3 * GIB + 1024,
+        ),
+        ("0::/job\n", {**V2_JOB, "job/memory.max": "max\n"}, None),
+        (
+            "0::/job\n",
+            {
+                **V2_JOB,
+                "job/memory.max": "max\n",
+                "memory.max": f"{2 * GIB}\n",
+                "memory.current": "0\n",
+            },
+            2 * GIB,
+        ),
+        (
+            "0::/job/step\n",
+            {
+                **V2_JOB,
+                "job/step/memory.max": f"{8 * GIB}\n",
+                "job/step/memory.current": f"{GIB}\n",
+            },
+            3 * GIB,
+        ),
+        ("0::/elsewhere\n", {"memory.max": f"{GIB}\n", "memory.current": "0\n"}, GIB),
+        ("12:cpu:/x\n4:memory:/ci\n0::/\n", V1_JOB, 2 * GIB),
+        (
+            "4:memory:/ci\n",
+            {**V1_JOB, "memory/ci/memory.stat": "total_inactive_file 5\n"},
+            2 * GIB + 5,
+        ),
+        ("4:memory:/ci\n", {**V1_JOB, "memory/ci/memory.limit_in_bytes": V1_NO_LIMIT}, None),
+        ("4:memory:/ci\n", {}, None),
+        ("0::/job\n", {"job/memory.max": "lots\n", "job/memory.current": "0\n"}, None),
+    ],
+    ids=[
+        "v2 limit less usage",
+        "v2 inactive file cache is reclaimable",
+        "v2 no limit",
+        "v2 limit of an ancestor",
+        "v2 smallest over the path",
+        "v2 in a container: its mount's root",
+        "v1 memory controller",
+        "v1 inactive file cache is reclaimable",
+        "v1 no limit",
+        "no files",
+        "not a number",
+    ],
+)
+def test_cgroup_memory_limits(
+    tmp_path: Path, membership: str, files: dict[str, str], expected: int | None
+) -> None:
+    assert cgroup_available_bytes(*fake_cgroups(tmp_path, membership, files)) == expected
+
+
+@pytest.mark.parametrize(("limit", "expected"), [(GIB, GIB), (64 * GIB, 8 * GIB), (None, 8 * GIB)])
+def test_host_memory_is_the_smaller_of_machine_and_cgroup(
+    tmp_path: Path, limit: int | None, expected: int
+) -> None:
+    """A container or CI runner limited below the machine's available memory gets its limit."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemAvailable: {8 * GIB // 1024} kB\n", encoding="ascii")
+    files = {} if limit is None else {"memory.max": f"{limit}\n", "memory.current": "0\n"}
+    cgroups, root = fake_cgroups(tmp_path, "0::/\n", files)
+    assert host_available_bytes(str(meminfo), cgroups, root) == expected
 
 
 @pytest.mark.parametrize(("device", "known"), [("cpu", True), ("meta", False)])

@@ -157,7 +157,9 @@ def test_bad_prompts_files_name_the_file_and_line(tmp_path: Path, case: str, rea
 
 def test_load_prompts_of_a_pair_directory(tmp_path: Path) -> None:
     records = [{"text": "def f():", "kind": "code"}, {"text": "Some prose.", "n": 2}]
-    (tmp_path / "prompts.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+    (tmp_path / "prompts.jsonl").write_text(
+        "\n".join(map(json.dumps, records)) + "\n", encoding="utf-8"
+    )
     assert load_prompts(tmp_path) == records
     assert load_prompts(TINY_PAIR_DIR) == load_prompts()
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,10 +144,27 @@ def test_loader_can_be_disabled(fresh_loader: None, monkeypatch: pytest.MonkeyPa
     assert not native.usable_for(torch.rand(2, 2), None)
 
 
+def garbling_compiler(tmp_path: Path) -> str:
+    """A compiler that fails with a message no text encoding decodes (bytes 0xff 0xfe)."""
+    script = tmp_path / "garbling-cc"
+    script.write_text("#!/bin/sh\nprintf 'error \\377\\376' >&2\nexit 1\n", encoding="utf-8")
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize(
+    "compiler",
+    [lambda _: "/nonexistent/specselect-cc", garbling_compiler],
+    ids=["missing", "undecodable-message"],
+)
 def test_loader_falls_back_when_the_compiler_fails(
-    fresh_loader: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    fresh_loader: None,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    compiler: Callable[[Path], str],
 ) -> None:
-    monkeypatch.setenv("CC", "/nonexistent/specselect-cc")
+    monkeypatch.setenv("CC", compiler(tmp_path))
     with caplog.at_level(logging.WARNING, logger="specselect"):
         assert not native.available()
     assert "using the PyTorch kernel" in native.status()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -220,6 +223,39 @@ def test_report_without_matplotlib_writes_results_and_warns_once(
         written = write_report(rows, tmp_path, {"command": "test"})
     assert [str(w.message) for w in caught] == [PLOTS_SKIPPED]
     assert sorted(written) == ["json", "markdown"]
-    assert len(json.loads(written["json"].read_text())["rows"]) == len(rows)
-    assert "## Plots" not in written["markdown"].read_text()
+    assert len(json.loads(written["json"].read_text(encoding="utf-8"))["rows"]) == len(rows)
+    assert "## Plots" not in written["markdown"].read_text(encoding="utf-8")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "results.json"]
+
+
+# Writes a report holding non-ASCII text: "→" (the reliability table) and "é" (a setup value).
+_REPORT_CHILD = """
+import sys
+from specselect.metrics import Totals
+from specselect.replay import ResultRow, SelectorConfig
+from specselect.report import write_report
+totals = Totals(steps=4, active=8, verified=12, accepted=9, emitted=17, seconds=0.5)
+bins = [{"predicted": 0.5, "observed": 0.4, "tokens": 10.0}]
+row = ResultRow(SelectorConfig("tetris", 2, 1, None, {"k": 2}), totals, calibration=bins)
+write_report([row], sys.argv[1], {"prompts": "caf\\u00e9.jsonl"}, plots=False)
+"""
+
+
+def test_report_is_utf8_whatever_the_locale(tmp_path: Path) -> None:
+    """report.md and results.json are UTF-8 also where the locale's encoding is ASCII
+    (``LC_ALL=C`` without UTF-8 mode: a container without locales, some CI runners); the
+    locale's encoding could not even write the report. Python chooses the default text
+    encoding at startup, so a child process writes the report."""
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    env.pop("PYTHONIOENCODING", None)
+    probe = [sys.executable, "-c", "import locale; print(locale.getpreferredencoding(False))"]
+    locale_encoding = subprocess.run(probe, env=env, capture_output=True, text=True).stdout
+    assert codecs.lookup(locale_encoding.strip()).name == "ascii", "the test needs an ASCII locale"
+    child = subprocess.run(
+        [sys.executable, "-c", _REPORT_CHILD, str(tmp_path)], env=env, capture_output=True
+    )
+    assert child.returncode == 0, child.stderr.decode(errors="replace")
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert "café.jsonl" in markdown and "→" in markdown
+    results = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
+    assert results["meta"]["prompts"] == "café.jsonl"

@@ -191,6 +191,38 @@ def test_ranking_codes_agree_with_float64_kernel(data: st.DataObject, nonnegativ
     )
 
 
+@pytest.mark.parametrize(
+    ("costs", "cheapest"),
+    [
+        ([1.0 + 1e-10, 1.0, 5.0], 1),  # the first two are one float32
+        ([2e-46, 1e-46, 1.0], 1),  # both below float32's smallest: 0
+        ([1e39, 2e39, math.inf], 0),  # beyond float32's range: +inf, never selected
+    ],
+    ids=["float32-tie", "float32-underflow", "float32-overflow"],
+)
+def test_cheapest_per_row_ranks_float64_costs_in_float64(costs: list[float], cheapest: int) -> None:
+    """Costs that float32 cannot tell apart (or cannot hold) keep their float64 order."""
+    mask = cheapest_per_row(torch.tensor([costs], dtype=torch.float64), 1)
+    assert mask.tolist() == [[j == cheapest for j in range(len(costs))]]
+
+
+@SETTINGS
+@given(data=st.data())
+def test_cheapest_per_row_matches_sorted_order(data: st.DataObject) -> None:
+    """Each row's ``count`` cheapest float64 costs (NaN and +inf never), ties by column, from
+    values that are close, equal, signed zeros, infinite or beyond float32's range."""
+    rows = data.draw(st.integers(1, 4), label="rows")
+    cols = data.draw(st.integers(1, 6), label="cols")
+    near = [1.0, 1.0 + 2**-40, 1.0 - 2**-40, 1e-46, 2e-46, 1e39, -1e39, 0.0, -0.0]
+    pool = st.sampled_from([*near, math.inf, -math.inf, math.nan, -math.nan])
+    value = st.one_of(pool, st.floats(-50.0, 50.0, allow_nan=False))
+    values = data.draw(st.lists(value, min_size=rows * cols, max_size=rows * cols))
+    costs = torch.tensor(values, dtype=torch.float64).reshape(rows, cols)
+    count = data.draw(st.integers(0, cols + 1), label="count")
+    expected = torch.cat([sorted_order_mask(-row.unsqueeze(0), count) for row in costs])
+    assert torch.equal(cheapest_per_row(costs, count), expected)
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_top_c_mask_is_closed_on_trees(data: st.DataObject) -> None:

@@ -1,8 +1,7 @@
 """Tests of specselect.verify: greedy matching and lossless speculative sampling of chains.
 
-Statistical tests use chi-square goodness of fit (or an exact binomial test) at significance
-level ALPHA = 0.001 with fixed seeds, so they are deterministic; a correct implementation that
-consumed randomness differently would still pass each one with probability 0.999.
+Statistical tests use chi-square goodness of fit (or an exact binomial test) at the suite's
+significance level (tests/_stats.py) with fixed seeds, so they are deterministic.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+from _stats import ALPHA, chi_square_pvalue
 from specselect.selection import prefix_mask
 from specselect.tree import build_tree_buffers, chain_parents
 from specselect.verify import (
@@ -26,8 +26,6 @@ from specselect.verify import (
     residual_probs,
 )
 from specselect.verify_tree import tree_greedy_verify, tree_rejection_verify
-
-ALPHA = 0.001
 
 
 def one_hot_logits(target_tokens: list[list[int]], vocab: int) -> torch.Tensor:
@@ -305,16 +303,6 @@ def emit(draft: torch.Tensor, num_accepted: torch.Tensor, next_token: torch.Tens
     return out.scatter(1, num_accepted.unsqueeze(1), next_token.unsqueeze(1))
 
 
-def assert_fits(observed: np.ndarray, probs: np.ndarray) -> None:
-    """Chi-square at ALPHA over cells with positive probability; impossible cells stay empty."""
-    assert observed[probs == 0].sum() == 0, "an impossible outcome occurred"
-    positive = probs > 0
-    if positive.sum() < 2:
-        return  # a single possible outcome: nothing left to test
-    expected = probs[positive] / probs[positive].sum() * observed.sum()
-    assert stats.chisquare(observed[positive], expected).pvalue > ALPHA
-
-
 def accepted_count_probs(target: torch.Tensor, draft: torch.Tensor, length: int) -> np.ndarray:
     """Exact distribution of the accepted count for a constant ``length`` (forward recursion).
 
@@ -356,11 +344,12 @@ def test_rejection_verify_is_lossless(length: int | str) -> None:
 
     p_first = target[0, 0].numpy()
     joint = (p_first[:, None] * target[1].numpy()).reshape(-1)
-    assert_fits(np.bincount(first[:, 0].numpy(), minlength=VOCAB), p_first)
-    assert_fits(np.bincount((first[:, 0] * VOCAB + second).numpy(), minlength=VOCAB**2), joint)
+    assert chi_square_pvalue(torch.bincount(first[:, 0], minlength=VOCAB), p_first) > ALPHA
+    pairs = torch.bincount(first[:, 0] * VOCAB + second, minlength=VOCAB**2)
+    assert chi_square_pvalue(pairs, joint) > ALPHA
     if isinstance(length, int):
-        observed = np.bincount(num_accepted.numpy(), minlength=length + 1)
-        assert_fits(observed, accepted_count_probs(target, draft, length))
+        observed = torch.bincount(num_accepted, minlength=length + 1)
+        assert chi_square_pvalue(observed, accepted_count_probs(target, draft, length)) > ALPHA
     if length not in (0, "draft-side"):
         rate = float(torch.minimum(target[0, 0], draft[0, 0]).sum())  # sum(min(p, q))
         accepted_first = int((num_accepted >= 1).sum())

@@ -351,7 +351,10 @@ class CostModel:
     ) -> CostModel:
         """Time ``target`` (and ``draft``) the way the HF loop runs them, then :meth:`fit`.
 
-        What is timed, and how: :mod:`specselect.profiling`.
+        What is timed, and how: :mod:`specselect.profiling`. Contexts are timed one after
+        another; where the samples of several contexts fit a verification pass that is free at
+        context 0 (a machine that got busier while the later contexts were timed), the grid is
+        timed once more, contexts in reverse order, and each shape keeps its faster sample.
 
         Args:
             target: HF causal LM (``attn_implementation`` ``"sdpa"`` or ``"eager"``).
@@ -378,13 +381,16 @@ class CostModel:
 
         Returns:
             The fitted model, with its samples and source (hardware, dtype, mode, versions, grid,
-            threads, and the load average before and after).
+            threads, the load average before and after, and ``measurements``: 2 where the grid
+            was timed again).
 
         Raises:
             TypeError / ValueError: a bad grid (empty, fewer than two batch sizes or widths,
                 duplicates, values < 1, contexts < 0), ``repeats < 1``, ``warmup < 1``, an
                 unknown ``statistic``, a model the loop cannot drive, or ``cuda_graphs=True``
                 where graphs are impossible.
+            ValueError: the timings fit a verification pass that is free at context 0, also
+                after timing again: the message shows what was measured and what to change.
         """
         from specselect.profiling import measure_samples
 

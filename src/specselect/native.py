@@ -261,6 +261,7 @@ def _build() -> Path:
             [*compiler, *_FLAGS, str(source_path), "-o", str(built)],
             capture_output=True,
             text=True,
+            errors="replace",  # a message the locale cannot decode must not hide the failure
             timeout=_COMPILE_TIMEOUT_S,
         )
         if result.returncode != 0:

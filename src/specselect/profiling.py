@@ -21,6 +21,14 @@ shape's sample is the median of its calls, or their minimum
 passes are not timed: next to a model's forward they are small, and they do not depend on the
 model.
 
+Contexts are timed one after another (each needs its own caches), so a machine that gets busier
+while the later contexts are timed makes passes look as if they cost in proportion to the
+context, and the fit of several contexts then prices verification at context 0 as free, which
+:meth:`CostModel.fit <specselect.cost.CostModel.fit>` refuses. Then the grid is timed once more
+with the contexts in reverse order and each shape keeps the faster of its two samples
+(interference only adds time; ``details["measurements"]`` of the source says 2). If the fit is
+still free, the error shows the times per context and what to change.
+
 :func:`plot_cost_model` draws the samples against the fitted model (matplotlib, optional);
 :func:`format_cost_model` summarises a model in a few lines.
 """
@@ -39,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specselect._checks import check_int
-from specselect.cost import STATISTICS, CostModel, CostSample, CostSource, PassCost
+from specselect.cost import STATISTICS, CostModel, CostSample, CostSource, PassCost, _fit_kind
 
 if TYPE_CHECKING:
     from specselect.hf.compat import ModelHandle
@@ -100,16 +108,28 @@ def measure_samples(
     shapes = len(batches) * (len(width_grid) + ("draft" in handles))
     from tqdm.auto import tqdm
 
-    samples: list[CostSample] = []
-    total = len(context_grid) * shapes * (warmup + repeats)
+    calls = len(context_grid) * shapes * (warmup + repeats)
+
+    def time_contexts(order: Sequence[int], done: Callable[[int], object]) -> list[CostSample]:
+        samples: list[CostSample] = []
+        for context in order:  # one context's caches at a time: freed before the next
+            passes = _passes(handles, batches, width_grid, context, vocab, mode)
+            samples += _time_round_robin(passes, repeats, warmup, done, statistic)
+            del passes
+        return samples
+
     with (
         torch.no_grad(),
-        tqdm(total=total, desc="profiling", unit="pass", disable=not progress) as bar,
+        tqdm(total=calls, desc="profiling", unit="pass", disable=not progress) as bar,
     ):
-        for context in context_grid:  # one context's caches at a time: freed before the next
-            passes = _passes(handles, batches, width_grid, context, vocab, mode)
-            samples += _time_round_robin(passes, repeats, warmup, bar.update, statistic)
-            del passes
+        samples, measurements = time_contexts(context_grid, bar.update), 1
+        free = _fits_free_verification(samples)
+        if free and len(context_grid) > 1:
+            bar.total += calls
+            samples = _faster(samples, time_contexts(context_grid[::-1], bar.update))
+            measurements, free = 2, _fits_free_verification(samples)
+    if free:
+        raise ValueError(_free_verification_message(samples, measurements, load_before))
     source = CostSource(
         hardware=_hardware(handles["target"].device),
         dtype=str(handles["target"].dtype).replace("torch.", ""),
@@ -129,6 +149,7 @@ def measure_samples(
             "threads": torch.get_num_threads(),
             "load_average_before": load_before,
             "load_average_after": _load_average(),
+            "measurements": measurements,
             "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"
             ),
@@ -276,6 +297,54 @@ def _time_round_robin(
             shape.seconds.append(shape.time_once())
         done(len(passes))
     return [p.sample(statistic) for p in passes]
+
+
+def _fits_free_verification(samples: list[CostSample]) -> bool:
+    """Whether the verification samples fit a pass that is free at context 0, which
+    :meth:`CostModel.fit <specselect.cost.CostModel.fit>` refuses."""
+    verify = [s for s in samples if s.kind == "verify"]
+    return _fit_kind("verify", verify).is_free_at_context_zero()
+
+
+def _shape(sample: CostSample) -> tuple[str, int, int, float]:
+    return sample.kind, sample.batch, sample.tokens, sample.context
+
+
+def _faster(first: list[CostSample], second: list[CostSample]) -> list[CostSample]:
+    """Each shape's faster sample of two measurements of the same grid, in ``first``'s order."""
+    again = {_shape(s): s for s in second}
+    return [min(s, again[_shape(s)], key=lambda sample: sample.seconds) for s in first]
+
+
+def _free_verification_message(
+    samples: list[CostSample], measurements: int, load_before: list[float] | None
+) -> str:
+    """Why a measurement cannot be fitted: the smallest verification pass's time per context,
+    and what to change."""
+    verify = [s for s in samples if s.kind == "verify"]
+    smallest = min(verify, key=lambda s: (s.tokens, s.batch))
+    times = ", ".join(
+        f"{s.seconds * 1e3:.3g} ms at context {s.context:g}"
+        for s in sorted(verify, key=lambda s: s.context)
+        if (s.batch, s.tokens) == (smallest.batch, smallest.tokens)
+    )
+    contexts = ", ".join(f"{c:g}" for c in sorted({s.context for s in verify}))
+    how = "twice, the second time in reverse order of context" if measurements == 2 else "once"
+    loads = [_minute_load(load) for load in (load_before, _load_average())]
+    return (
+        f"the verification passes timed at contexts {contexts} ({how}) fit a pass that costs "
+        "nothing at context 0: their times grow as if only the context cost anything (the "
+        f"pass of {smallest.batch} row(s) and {smallest.tokens} token(s) took {times}; load "
+        f"average {loads[0]} before, {loads[1]} after). A machine that is busier while some "
+        "contexts are timed does this. Profile on an idle machine, time more calls per shape "
+        "(repeats, --repeats) or keep their minimum (statistic='min', --statistic min), or "
+        "add a short context such as 0 (contexts, --contexts): it times the context-free "
+        "cost directly"
+    )
+
+
+def _minute_load(load: list[float] | None) -> str:
+    return "unknown" if load is None else f"{load[0]:g}"
 
 
 def check_grid(

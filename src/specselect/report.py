@@ -705,10 +705,12 @@ def write_report(
         if kind not in kinds:
             (out / name).unlink(missing_ok=True)
     written = {"json": out / "results.json", "markdown": out / "report.md"}
+    # UTF-8 whatever the locale: the report holds non-ASCII text (arrows, model and file names).
     written["json"].write_text(
-        json.dumps(results_json(rows, meta), indent=2, default=_json_default)
+        json.dumps(results_json(rows, meta), indent=2, default=_json_default), encoding="utf-8"
     )
-    written["markdown"].write_text(markdown_report(rows, meta, [PLOT_FILES[k] for k in kinds]))
+    markdown = markdown_report(rows, meta, [PLOT_FILES[k] for k in kinds])
+    written["markdown"].write_text(markdown, encoding="utf-8")
     for kind in kinds:
         written[kind] = _PLOTTERS[kind](rows, out / PLOT_FILES[kind])
     return written

@@ -155,8 +155,10 @@ def cheapest_per_row(costs: Tensor, count: int) -> Tensor:
         return torch.zeros(costs.shape, dtype=torch.bool, device=costs.device)
     if count >= cols:
         return costs < float("inf")
-    if costs.dtype == torch.float64:  # no spare bits for positions: rank in float32
-        costs = costs.to(torch.float32)
+    if costs.dtype == torch.float64:
+        # No spare bits for positions, and rounding to float32 would tie distinct costs (and
+        # turn those beyond its range into +inf): threshold and tie pass in float64.
+        return _cheapest_per_row_float64(costs.masked_fill(costs.isnan(), float("inf")), count)
     codes = _ranking_codes(costs, nonnegative=False)
     kth = torch.kthvalue(codes, count, dim=1, keepdim=True).values.clamp(max=_NEVER_CODE - 1)
     return codes <= kth
@@ -216,16 +218,23 @@ def _position_codes(rows: int, cols: int, device: torch.device) -> Tensor:
 
 
 def _cheapest_mask_float64(costs: Tensor, budget: int) -> Tensor:
-    """:func:`cheapest_mask` for ``[B, N]`` float64 costs: threshold, then a tie pass.
-
-    Everything strictly below the ``budget``-th smallest cost ``tau`` is taken; of the entries
-    equal to ``tau`` (never ``+inf``), the first ``budget - taken`` in column-major order are.
+    """:func:`cheapest_mask` for ``[B, N]`` float64 costs without NaN: the entries in
+    column-major order (column first, then row), as one row of :func:`_cheapest_per_row_float64`.
     """
     rows, cols = costs.shape
-    tau = torch.kthvalue(costs.reshape(-1), budget).values
-    below = costs < tau
-    tied = (costs == tau) & (costs < float("inf"))
-    remaining = budget - below.sum()
-    # Inclusive rank of each tied entry in column-major order (column first, then row).
-    rank = tied.t().reshape(-1).cumsum(dim=0).view(cols, rows).t()
-    return below | (tied & (rank <= remaining))
+    column_major = costs.t().reshape(1, -1)  # [1, N * B]
+    return _cheapest_per_row_float64(column_major, budget).view(cols, rows).t()
+
+
+def _cheapest_per_row_float64(costs: Tensor, count: int) -> Tensor:
+    """Each row's ``count`` cheapest entries of ``[B, N]`` float64 costs without NaN, for
+    ``0 < count < N``: threshold, then a tie pass.
+
+    Everything strictly below the row's ``count``-th smallest cost ``tau`` is taken; of the
+    entries equal to ``tau`` (never ``+inf``), the first ``count - taken`` in column order are.
+    """
+    tau = torch.kthvalue(costs, count, dim=1, keepdim=True).values  # [B, 1]
+    below = costs < tau  # [B, N]
+    tied = (costs == tau) & (costs < float("inf"))  # [B, N]
+    remaining = count - below.sum(dim=1, keepdim=True)  # [B, 1]
+    return below | (tied & (tied.cumsum(dim=1) <= remaining))  # inclusive rank among ties

@@ -20,6 +20,7 @@ import gc
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 
 import torch
 
@@ -122,7 +123,8 @@ def available_bytes(device: torch.device) -> int | None:
     """Memory a new allocation on ``device`` can take, or ``None`` where unknown (no check).
 
     CUDA: the driver's free memory plus what torch's caching allocator holds unused (freed
-    tensors it keeps for reuse). CPU: :func:`host_available_bytes`. Other devices: unknown.
+    tensors it keeps for reuse). CPU: :func:`host_available_bytes` (the cgroup's limit
+    included). Other devices: unknown.
     """
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -133,9 +135,28 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
-    """Host memory available without swapping: Linux's ``MemAvailable`` (free memory plus
-    reclaimable caches), else the free physical pages ``os.sysconf`` reports, else ``None``."""
+def host_available_bytes(
+    meminfo: str = "/proc/meminfo",
+    cgroups: str = "/proc/self/cgroup",
+    cgroup_root: str = "/sys/fs/cgroup",
+) -> int | None:
+    """Host memory this process can take without swapping: the smaller of the machine's
+    available memory (:func:`machine_available_bytes`) and what its cgroups' memory limits
+    leave (:func:`cgroup_available_bytes`; a container or CI runner is often limited far below
+    the machine's memory, and the kernel kills a process that exceeds the limit). ``None``
+    where neither is known."""
+    known = [
+        size
+        for size in (machine_available_bytes(meminfo), cgroup_available_bytes(cgroups, cgroup_root))
+        if size is not None
+    ]
+    return min(known) if known else None
+
+
+def machine_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The machine's memory available without swapping: Linux's ``MemAvailable`` (free memory
+    plus reclaimable caches), else the free physical pages ``os.sysconf`` reports, else
+    ``None``."""
     try:
         with open(meminfo, encoding="ascii") as lines:
             for line in lines:
@@ -149,6 +170,84 @@ def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
         return None
 
 
+# A cgroup's memory files: limit, usage, and the memory.stat key of its inactive file cache.
+_CGROUP_V2 = ("memory.max", "memory.current", "inactive_file")
+_CGROUP_V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+# cgroup v1 writes "no limit" as the largest page-aligned int64 (2^63 - 4096 with 4 KiB pages).
+_NO_V1_LIMIT = 2**62
+
+
+def cgroup_available_bytes(
+    cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> int | None:
+    """What the memory limits of this process's cgroups leave it, or ``None`` where no limit
+    is set (or none can be read).
+
+    ``cgroups`` lists the process's cgroups (``0::/path`` for cgroup v2, ``N:memory:/path``
+    for v1's memory controller), mounted under ``root`` (v2) or ``root/memory`` (v1). A limit
+    on the cgroup or on any ancestor applies, so this is the smallest over them of the limit
+    (``memory.max``, ``max`` = none; v1: ``memory.limit_in_bytes``) less the working set: the
+    usage (``memory.current``; v1: ``memory.usage_in_bytes``) less the inactive file cache
+    (``memory.stat``), which the kernel reclaims before it refuses memory.
+    """
+    try:
+        lines = Path(cgroups).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    left: list[int] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and not controllers:
+            base, files = Path(root), _CGROUP_V2
+        elif "memory" in controllers.split(","):
+            base, files = Path(root) / "memory", _CGROUP_V1
+        else:
+            continue
+        left += [n for d in _cgroup_dirs(base, path) if (n := _cgroup_left(d, files)) is not None]
+    return min(left) if left else None
+
+
+def _cgroup_dirs(base: Path, path: str) -> list[Path]:
+    """The cgroup ``path``'s directory under ``base`` and its ancestors up to ``base``; just
+    ``base`` where the path is not there (a container's mount shows its own cgroup as the
+    root)."""
+    dirs = [base.joinpath(*PurePosixPath(path).parts[1:])]
+    if not dirs[0].is_dir():
+        return [base]
+    while dirs[-1] != base:
+        dirs.append(dirs[-1].parent)
+    return dirs
+
+
+def _cgroup_left(directory: Path, files: tuple[str, str, str]) -> int | None:
+    """One cgroup's limit less its working set, or ``None`` where it sets no limit."""
+    limit_file, usage_file, inactive = files
+    try:
+        text = (directory / limit_file).read_text(encoding="ascii").strip()
+        limit = None if text == "max" else int(text)
+        if limit is None or limit >= _NO_V1_LIMIT:
+            return None
+        usage = int((directory / usage_file).read_text(encoding="ascii"))
+        return max(limit - usage + _memory_stat(directory, inactive), 0)
+    except (OSError, ValueError):  # no such files (no limit here), or not numbers
+        return None
+
+
+def _memory_stat(directory: Path, key: str) -> int:
+    """``key``'s value in the cgroup's ``memory.stat``; 0 where it cannot be read."""
+    try:
+        for line in (directory / "memory.stat").read_text(encoding="ascii").splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def _gib(size: int) -> str:
     return f"{size / _GIB:.2f}"
 
@@ -157,8 +256,10 @@ __all__ = [
     "CacheNeed",
     "available_bytes",
     "cache_bytes",
+    "cgroup_available_bytes",
     "check_memory",
     "host_available_bytes",
     "kv_column_bytes",
+    "machine_available_bytes",
     "mask_bytes",
 ]
