@@ -36,9 +36,17 @@ check.
 Every timed call follows an untimed warm-up call of the same shape (graph mode captures there;
 later calls replay). Times are medians of ``--repeats`` calls, synchronised.
 
-    python benchmarks/bench_gpu.py --part a
-    python benchmarks/bench_gpu.py --part b --cache-dir /tmp/specselect-pair
-    python benchmarks/bench_gpu.py --part s
+Each part is meant to fit one command of at most 10 minutes on an H100 (estimated, not yet
+measured: part b trains for ``--train-minutes`` + ``--distill-minutes``, 4 by default, then
+measures for a few minutes; a, and s with its ``torch.compile`` cells, take less). Every row is
+printed, and written to ``--output``, as soon as it is measured, and the parts stop measuring
+once ``--time-limit`` seconds have passed (540 by default; 0 for none), so a command stopped at
+a time limit still returns what it measured. A faster way of selecting that fails in part s
+(a capture, a compilation) is reported in its cell, with the error on stderr.
+
+    python benchmarks/bench_gpu.py --part s --output s.md
+    python benchmarks/bench_gpu.py --part a --output a.md
+    python benchmarks/bench_gpu.py --part b --cache-dir /tmp/specselect-pair --output b.md
     python benchmarks/bench_gpu.py --smoke --device cpu   # tiny shapes: checks the script only
 """
 
@@ -46,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import statistics
@@ -233,7 +242,7 @@ def step_costs(
     return costs
 
 
-def part_a(args: argparse.Namespace, device: torch.device) -> str:
+def part_a(args: argparse.Namespace, device: torch.device) -> Iterator[str]:
     target_shape = SMOKE | {"vocab": 512} if args.smoke else TARGET_1B
     draft_shape = SMOKE | {"vocab": 512, "layers": 1} if args.smoke else DRAFT_70M
     target = llama(target_shape).to(device, args.dtype)
@@ -243,13 +252,16 @@ def part_a(args: argparse.Namespace, device: torch.device) -> str:
         f"{args.dtype}, prompt {args.prompt}, {args.steps} new tokens",
         file=sys.stderr,
     )
-    lines = [
+    yield (
         "| B | configuration | ms/step (median, prefill excluded) | draft | select | verify "
-        "| bookkeeping | break-even vs graph plain | vs HF generate |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+        "| bookkeeping | break-even vs graph plain | vs HF generate |"
+    )
+    yield "|---:|---|---:|---:|---:|---:|---:|---:|---:|"
     with torch.no_grad():
         for batch in args.batch_sizes:
+            if out_of_time(args):
+                yield time_limit_note(args, f"batch sizes from {batch} on")
+                return
             costs = step_costs(target, draft, batch, args)
             hf, plain = costs[0].total, costs[1].total
             for cost in costs:
@@ -257,12 +269,11 @@ def part_a(args: argparse.Namespace, device: torch.device) -> str:
                     f"{cost.split[k]:.2f}" if cost.split else ""
                     for k in ("draft", "select", "verify", "bookkeeping")
                 )
-                lines.append(
+                yield (
                     f"| {batch} | {cost.label} | {cost.total:.2f} | {split} "
                     f"| {cost.total / plain:.2f} | {cost.total / hf:.2f} |"
                 )
             print(f"  batch {batch} done", file=sys.stderr)
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------ part s
@@ -330,11 +341,13 @@ WAYS = ("replayed", "compiled")
 @dataclass
 class SelectionCost:
     """µs per select + update at one batch size: eager, and each of :data:`WAYS` that ran,
-    with whether it selected exactly what the eager selector did at every step."""
+    with whether it selected exactly what the eager selector did at every step, or the error
+    that stopped it."""
 
     eager: float
     times: dict[str, float]
     same: dict[str, bool]
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 def selection_cost(
@@ -363,20 +376,26 @@ def selection_cost(
                 runner(("compiled", key), fused) if replays and step >= 2 else fused()
             )
     same = dict.fromkeys(ways, True)
+    errors: dict[str, str] = {}
     with torch.no_grad(), trusted_values():
         for step in range(steps):  # the selections, step by step (and the captures' warm-up)
             buffers.load(step)
             buffers.stage(eager)()
             expected = buffers.mask.clone()
-            for name, way in ways.items():
-                way(step)
+            for name, way in list(ways.items()):
+                try:
+                    way(step)
+                except Exception as err:  # a failed capture or compilation: report it, go on
+                    errors[name] = f"{type(err).__name__}: {err}"
+                    del ways[name]
+                    continue
                 same[name] = same[name] and torch.equal(buffers.mask, expected)
         eager_us = _per_call_us(buffers.stage(eager), device, steps)
         times = {
             name: _per_call_us(lambda way=way: way(steps), device, steps)
             for name, way in ways.items()
         }
-    return SelectionCost(eager_us, times, same)
+    return SelectionCost(eager_us, times, same, errors)
 
 
 def _per_call_us(call: Callable[[], None], device: torch.device, calls: int) -> float:
@@ -390,26 +409,34 @@ def _per_call_us(call: Callable[[], None], device: torch.device, calls: int) -> 
     return 1e6 * (time.perf_counter() - start) / calls
 
 
-def part_s(args: argparse.Namespace, device: torch.device) -> str:
+def part_s(args: argparse.Namespace, device: torch.device) -> Iterator[str]:
     width = args.select_width
-    lines = [
+    yield (
         f"K = {width} drafted tokens per row; µs per select + update, {args.select_steps} "
-        "steps of random draft log-probs and acceptance.",
-        "",
+        "steps of random draft log-probs and acceptance."
+    )
+    yield ""
+    yield (
         "| B | selector | eager µs | replayed µs | replay = eager | compiled µs | "
-        "compiled = eager |",
-        "|---:|---|---:|---:|---|---:|---|",
-    ]
+        "compiled = eager |"
+    )
+    yield "|---:|---|---:|---:|---|---:|---|"
     for batch in args.select_batch_sizes:
         for label, spec in selection_configs(args.k, width):
+            if out_of_time(args):
+                yield time_limit_note(args, f"{label} at B = {batch} and what follows")
+                return
             cost = selection_cost(spec, batch, width, device, args.select_steps, args.compile)
             cells = [f"{cost.eager:.0f}"]
             for name in WAYS:
+                if name in cost.errors:
+                    print(f"  {label}, B = {batch}, {name}: {cost.errors[name]}", file=sys.stderr)
+                    cells += ["**failed** (stderr)", ""]
+                    continue
                 ran = name in cost.times
                 cells += [f"{cost.times[name]:.0f}", _agrees(cost.same[name])] if ran else ["", ""]
-            lines.append(f"| {batch} | {label} | " + " | ".join(cells) + " |")
+            yield f"| {batch} | {label} | " + " | ".join(cells) + " |"
         print(f"  selection batch {batch} done", file=sys.stderr)
-    return "\n".join(lines)
 
 
 def _agrees(same: bool) -> str:
@@ -437,14 +464,21 @@ def python_sources(limit_mb: float) -> Iterator[str]:
                 return
 
 
+#: Files per tokenizer call: a batch is spread over every core by the tokenizer's backend (one
+#: file at a time, the 120 MB corpus took about two minutes of a 10-minute run).
+TOKENIZE_BATCH = 256
+
+
 def token_stream(tokenizer: Any, limit_mb: float) -> tuple[Tensor, Tensor]:
     """(train, held-out) int64 token streams; every 50th file is held out."""
     eos = tokenizer.eos_token_id
-    train: list[int] = []
-    held: list[int] = []
-    for i, text in enumerate(python_sources(limit_mb)):
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
-        (held if i % 50 == 0 else train).extend(ids)
+    streams: tuple[list[int], list[int]] = ([], [])  # train, held out
+    files = enumerate(python_sources(limit_mb))
+    while chunk := list(itertools.islice(files, TOKENIZE_BATCH)):
+        encoded = tokenizer([text for _, text in chunk], add_special_tokens=False)["input_ids"]
+        for (i, _), ids in zip(chunk, encoded, strict=True):
+            streams[i % 50 == 0].extend([*ids, eos])
+    train, held = streams
     return torch.tensor(train), torch.tensor(held)
 
 
@@ -509,15 +543,21 @@ def distill_loss(target: PreTrainedModel) -> Callable[[PreTrainedModel, Tensor],
 def trained_pair(
     args: argparse.Namespace, device: torch.device
 ) -> tuple[PreTrainedModel, PreTrainedModel, Any, Tensor]:
-    """(target, draft, tokenizer, held-out stream): loaded from ``--cache-dir`` or trained."""
+    """(target, draft, tokenizer, held-out stream): loaded from ``--cache-dir`` (with the
+    held-out stream of their corpus: nothing is tokenized again) or trained."""
     from specselect.models import load_tiny_pair
 
     tokenizer = load_tiny_pair()[2]
     vocab = len(tokenizer)
     shapes = (SMOKE, SMOKE | {"layers": 1}) if args.smoke else (TARGET_100M, DRAFT_9M)
+    corpus_mb = 2 if args.smoke else args.corpus_mb
     cache = Path(args.cache_dir) if args.cache_dir else None
-    meta = {"shapes": shapes, "train": args.train_minutes, "distill": args.distill_minutes}
-    train_stream, held = token_stream(tokenizer, 2 if args.smoke else args.corpus_mb)
+    meta = {
+        "shapes": shapes,
+        "train": args.train_minutes,
+        "distill": args.distill_minutes,
+        "corpus_mb": corpus_mb,
+    }
     stored = cache / "meta.json" if cache is not None else None
     if (
         stored is not None
@@ -528,8 +568,12 @@ def trained_pair(
         draft = LlamaForCausalLM.from_pretrained(stored.parent / "draft").to(device).eval()
         for model in (target, draft):
             model.set_attn_implementation("sdpa")
+        held = torch.load(stored.parent / "held.pt")
         print(f"part b: pair loaded from {stored.parent}", file=sys.stderr)
         return target, draft, tokenizer, held
+    start = time.perf_counter()
+    train_stream, held = token_stream(tokenizer, corpus_mb)
+    print(f"part b: corpus tokenized in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     target = llama(shapes[0], vocab).to(device)
     draft = llama(shapes[1], vocab, seed=1).to(device)
     print(
@@ -543,6 +587,7 @@ def trained_pair(
     if cache is not None:
         target.save_pretrained(cache / "target")
         draft.save_pretrained(cache / "draft")
+        torch.save(held, cache / "held.pt")
         (cache / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
     return target, draft, tokenizer, held
 
@@ -569,8 +614,9 @@ def end_to_end(
     draft: PreTrainedModel,
     ids: Tensor,
     args: argparse.Namespace,
-) -> list[Run]:
-    """Part b at one batch size (prompts without padding, no EOS: every row runs to the end)."""
+) -> tuple[list[Run], bool]:
+    """Part b at one batch size (prompts without padding, no EOS: every row runs to the end),
+    and whether ``--time-limit`` cut it short."""
     device, batch, new = ids.device, ids.shape[0], args.max_new_tokens
     mask = torch.ones_like(ids)
     common = {"max_new_tokens": new, "eos_token_id": None, "pad_token_id": 0}
@@ -597,58 +643,63 @@ def end_to_end(
     configs: list[tuple[str, dict[str, Any] | None, TreeSpec | None]] = [("plain", None, None)]
     configs += [(name, {"name": name, **selector_kwargs(name, args.k)}, None) for name in SELECTORS]
     configs.append(("tetris tree(3,2,2)", {"name": "tetris", "k": args.k}, TreeSpec(3, 2, 2)))
-    for label, spec, tree in configs:
-        for graphs in (False, True):
-            selector = None if spec is None else make_selector(**spec)
-            seconds, out = timed(
-                lambda s=selector, t=tree, g=graphs: speculative_generate(
-                    target, draft, ids, mask, selector=s, tree=t, cuda_graphs=g, **common
-                ),
-                device,
-                args.repeats,
+    cut = False
+    for (label, spec, tree), graphs in itertools.product(configs, (False, True)):
+        if out_of_time(args):
+            cut = True
+            break
+        selector = None if spec is None else make_selector(**spec)
+        seconds, out = timed(
+            lambda s=selector, t=tree, g=graphs: speculative_generate(
+                target, draft, ids, mask, selector=s, tree=t, cuda_graphs=g, **common
+            ),
+            device,
+            args.repeats,
+        )
+        totals = out.stats.totals
+        mode = "graph" if graphs else "eager"
+        runs.append(
+            Run(
+                batch,
+                f"{label} ({mode})",
+                seconds,
+                tokens,
+                same(out.sequences),
+                totals.tokens_per_step,
+                totals.vsr,
             )
-            totals = out.stats.totals
-            mode = "graph" if graphs else "eager"
-            runs.append(
-                Run(
-                    batch,
-                    f"{label} ({mode})",
-                    seconds,
-                    tokens,
-                    same(out.sequences),
-                    totals.tokens_per_step,
-                    totals.vsr,
-                )
-            )
+        )
     release_workspace(target)
-    return runs
+    return runs, cut
 
 
-def part_b(args: argparse.Namespace, device: torch.device) -> str:
+def part_b(args: argparse.Namespace, device: torch.device) -> Iterator[str]:
     target, draft, _, held = trained_pair(args, device)
     target, draft = target.to(args.dtype), draft.to(args.dtype)
-    lines = [
-        "| B | method | s | tok/s | vs generate | vs graph plain | tok/step | VSR | identical |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    yield "| B | method | s | tok/s | vs generate | vs graph plain | tok/step | VSR | identical |"
+    yield "|---:|---|---:|---:|---:|---:|---:|---:|---:|"
     with torch.no_grad():
         for batch in args.batch_sizes:
+            if out_of_time(args):
+                yield time_limit_note(args, f"batch sizes from {batch} on")
+                return
             ids = held_out_prompts(held, batch, args.prompt, seed=batch).to(device)
-            runs = end_to_end(target, draft, ids, args)
+            runs, cut = end_to_end(target, draft, ids, args)
             base = runs[0].tokens / runs[0].seconds
-            plain = next(r for r in runs if r.method == "plain (graph)")
-            plain_rate = plain.tokens / plain.seconds
+            plain = next((r for r in runs if r.method == "plain (graph)"), None)
             for run in runs:
                 rate = run.tokens / run.seconds
+                vs_plain = "" if plain is None else f"{rate * plain.seconds / plain.tokens:.2f}x"
                 tps = "" if run.tokens_per_step is None else f"{run.tokens_per_step:.2f}"
                 vsr = "" if run.vsr is None else f"{run.vsr:.2f}"
-                lines.append(
+                yield (
                     f"| {batch} | {run.method} | {run.seconds:.3f} | {rate:.0f} "
-                    f"| {rate / base:.2f}x | {rate / plain_rate:.2f}x | {tps} | {vsr} "
+                    f"| {rate / base:.2f}x | {vs_plain} | {tps} | {vsr} "
                     f"| {run.identical}/{batch} |"
                 )
+            if cut:
+                yield time_limit_note(args, f"the rest of batch {batch}")
             print(f"  batch {batch} done", file=sys.stderr)
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------ main
@@ -681,8 +732,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="part s: skip the torch.compile column (compiling takes a minute per cell)",
     )
     parser.add_argument("--corpus-mb", type=float, default=120.0, help="part b: corpus size")
-    parser.add_argument("--train-minutes", type=float, default=4.0)
-    parser.add_argument("--distill-minutes", type=float, default=1.5)
+    parser.add_argument("--train-minutes", type=float, default=3.0)
+    parser.add_argument("--distill-minutes", type=float, default=1.0)
     parser.add_argument("--train-batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument(
@@ -690,6 +741,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: check the script")
     parser.add_argument("--output", help="also write the tables to this markdown file")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=540.0,
+        help="seconds after which the parts stop measuring (what they measured is printed "
+        "already); 0: no limit. The default fits a 10-minute command with room to spare",
+    )
     args = parser.parse_args(argv)
     if args.steps < 2:  # part a's HF step time is (steps tokens - 1 token) / (steps - 1)
         parser.error(f"--steps must be at least 2, got {args.steps}")
@@ -698,6 +756,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.select_batch_sizes = [int(b) for b in args.select_batch_sizes.split(",")]
     args.dtype = getattr(torch, args.dtype)
+    args.deadline = time.perf_counter() + args.time_limit if args.time_limit > 0 else math.inf
     if args.smoke:
         args.train_minutes, args.distill_minutes = 0.05, 0.05
         args.train_batch, args.context, args.prompt = 4, 64, 16
@@ -706,26 +765,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+#: The parts, in the order they run: (name, title, the function that measures it).
+PARTS: tuple[tuple[str, str, Callable[[argparse.Namespace, torch.device], Iterator[str]]], ...] = (
+    ("a", "## a. Cost per step at realistic shapes", part_a),
+    ("s", "## s. Selection: eager and replayed", part_s),
+    ("b", "## b. End to end with a trained pair", part_b),
+)
+
+
+def out_of_time(args: argparse.Namespace) -> bool:
+    """Whether ``--time-limit`` has passed: the parts then stop measuring, and what they
+    measured is already printed."""
+    return time.perf_counter() > args.deadline
+
+
+def time_limit_note(args: argparse.Namespace, skipped: str) -> str:
+    return f"(--time-limit {args.time_limit:g} s reached: {skipped} not measured)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type != "cuda" and not args.smoke:
         print("bench_gpu.py measures a CUDA GPU; --smoke checks it elsewhere", file=sys.stderr)
         return 2
-    sections = []
-    # Without a GPU (--smoke), graph mode runs in CPU trace mode: same code, no speed meaning.
-    with emulate_on_cpu() if device.type != "cuda" else contextlib.nullcontext():
-        if args.part in ("a", "all"):
-            sections.append("## a. Cost per step at realistic shapes\n\n" + part_a(args, device))
-        if args.part in ("s", "all"):
-            sections.append("## s. Selection: eager and replayed\n\n" + part_s(args, device))
-        if args.part in ("b", "all"):
-            sections.append("## b. End to end with a trained pair\n\n" + part_b(args, device))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    text = f"# bench_gpu.py on {name}, torch {torch.__version__}\n\n" + "\n\n".join(sections)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n", encoding="utf-8")
+    # Each line goes out as soon as it is measured (and to --output, flushed): a run stopped
+    # from outside, at a time limit of the machine, keeps every row it finished.
+    output = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+        if output is not None:
+            output.write(line + "\n")
+            output.flush()
+
+    emit(f"# bench_gpu.py on {name}, torch {torch.__version__}")
+    try:
+        # Without a GPU (--smoke), graph mode runs in CPU trace mode: same code, no speed meaning.
+        with emulate_on_cpu() if device.type != "cuda" else contextlib.nullcontext():
+            for part, title, measure in PARTS:
+                if args.part in (part, "all"):
+                    for line in itertools.chain(("", title, ""), measure(args, device)):
+                        emit(line)
+    finally:
+        if output is not None:
+            output.close()
     return 0
 
 

@@ -18,6 +18,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
+
+from specselect.hf import emulate_on_cpu
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(BENCHMARKS.glob("bench_*.py"))
@@ -166,3 +169,82 @@ def test_trace_cache_is_per_pair_path(bench: Callable[[str], ModuleType], tmp_pa
     first, second = tmp_path / "a" / "pair", tmp_path / "b" / "pair"
     paths = {goals.trace_cache_path(tmp_path, pair, 64, 7) for pair in (first, second)}
     assert len(paths) == 2
+
+
+# bench_gpu.py runs on a GPU machine whose commands are stopped after 10 minutes: it prints each
+# row as soon as it is measured, stops measuring at --time-limit, and a faster way of selecting
+# that fails is a table cell, not the end of the run.
+GPU_SMOKE_S = ["--smoke", "--device", "cpu", "--part", "s", "--no-compile"]
+
+
+def test_gpu_benchmark_stops_measuring_at_its_time_limit(
+    bench: Callable[[str], ModuleType], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gpu = bench("bench_gpu")
+    out = tmp_path / "gpu.md"
+    assert gpu.main([*GPU_SMOKE_S, "--time-limit", "1e-9", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "## s. Selection" in printed
+    assert "(--time-limit 1e-09 s reached: fixed k=3 at B = 1 and what follows not measured)" in (
+        printed
+    )
+    assert out.read_text(encoding="utf-8") == printed
+
+
+def test_gpu_benchmark_keeps_the_rows_of_a_run_stopped_midway(
+    bench: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run stopped from outside (here: an error in the second cell) has already written the
+    first cell's row to --output."""
+    gpu = bench("bench_gpu")
+    cells = iter([gpu.SelectionCost(12.0, {}, {})])
+
+    def one_cell(*args: object) -> object:
+        return next(cells)  # the second cell raises StopIteration: the run stops there
+
+    monkeypatch.setattr(gpu, "selection_cost", one_cell)
+    out = tmp_path / "gpu.md"
+    with pytest.raises(RuntimeError):  # a StopIteration escaping a generator
+        gpu.main([*GPU_SMOKE_S, "--select-batch-sizes", "1", "--output", str(out)])
+    rows = [line for line in out.read_text(encoding="utf-8").splitlines() if line[:4] == "| 1 "]
+    assert rows == ["| 1 | fixed k=3 | 12 |  |  |  |  |"]
+
+
+def test_gpu_benchmark_reports_a_failed_way_of_selecting(
+    bench: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compilation (or capture) that fails is the cell's error; the eager and replayed
+    columns are still measured."""
+    gpu = bench("bench_gpu")
+
+    def broken(function: object, **kwargs: object) -> Callable[[], None]:
+        def run() -> None:
+            raise RuntimeError("no compiler here")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    spec = {"name": "fixed", "k": 3}
+    with emulate_on_cpu():
+        cost = gpu.selection_cost(spec, 2, 4, torch.device("cpu"), steps=3, fuse=True)
+    assert cost.errors == {"compiled": "RuntimeError: no compiler here"}
+    assert set(cost.times) == {"replayed"} and cost.same == {"replayed": True, "compiled": True}
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_reuses_its_trained_pair_without_tokenizing_again(
+    bench: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Part b's --cache-dir keeps the pair and its held-out prompts' stream: a second run
+    tokenizes nothing (the corpus took minutes of a 10-minute command)."""
+    gpu = bench("bench_gpu")
+    args = gpu.parse_args(["--smoke", "--device", "cpu", "--cache-dir", str(tmp_path)])
+    device = torch.device("cpu")
+    *_, held = gpu.trained_pair(args, device)
+
+    def no_tokenizing(*args: object) -> None:
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(gpu, "token_stream", no_tokenizing)
+    *_, again = gpu.trained_pair(args, device)
+    assert torch.equal(again, held)

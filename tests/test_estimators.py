@@ -882,7 +882,7 @@ def test_the_guard_refuses_outcomes_on_another_device_than_its_state() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_selector_moved_to_a_gpu_keeps_what_it_learned() -> None:
+def test_a_selector_moved_to_cuda_keeps_what_it_learned() -> None:
     """What the default TETRIS learned on the CPU goes with it to a GPU: it selects as a twin
     that stayed on the CPU (it used to start from scratch there)."""
     moved, stayed = TetrisSelector(2, 1), TetrisSelector(2, 1)

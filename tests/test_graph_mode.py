@@ -17,17 +17,20 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 import specselect.hf.generate as hf_generate
 from hf_models import EOS_ID, PAD_ID, left_padded_prompts, tiny_pair
-from specselect import FixedWindowSelector, make_selector
+from specselect import FixedWindowSelector, make_selector, native
 from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, speculative_generate
 from specselect.hf.compat import ModelHandle, graph_obstacle
 from specselect.hf.generate import (
@@ -543,14 +546,14 @@ def test_host_reads_per_step(config: str, eos: tuple[int, ...], graphs: bool) ->
 
 
 def test_cuda_graphs_errors() -> None:
+    """Models on the CPU, whether or not the machine has a GPU: cuda_graphs=True is an error
+    that says why, None runs eagerly."""
     target, draft, ids, mask, eos, _ = case("llama", 0)
-    if not CUDA:
-        with pytest.raises(ValueError, match=r"cuda_graphs=True, but target is on cpu"):
-            run(target, draft, ids, mask, "fixed", eos, cuda_graphs=True)
+    with pytest.raises(ValueError, match=r"cuda_graphs=True, but target is on cpu"):
+        run(target, draft, ids, mask, "fixed", eos, cuda_graphs=True)
     with pytest.raises(TypeError, match="cuda_graphs must be True, False or None"):
         run(target, draft, ids, mask, "fixed", eos, cuda_graphs="yes")
-    # Without a GPU, None means eager mode and runs.
-    assert run(target, draft, ids, mask, "fixed", eos).stats.mode == ("cuda" if CUDA else "eager")
+    assert run(target, draft, ids, mask, "fixed", eos).stats.mode == "eager"
 
 
 def test_plain_decoding_takes_no_tree_and_a_draft_only_with_a_selector() -> None:
@@ -559,6 +562,93 @@ def test_plain_decoding_takes_no_tree_and_a_draft_only_with_a_selector() -> None
         speculative_generate(target, draft, ids, mask, selector=None, tree=TreeSpec(2, 2, 2))
     with pytest.raises(TypeError, match="draft must be a HuggingFace causal LM"):
         speculative_generate(target, None, ids, mask, selector=make_selector("fixed", k=2))
+
+
+#: Functions that make a tensor from nothing: without ``device=``, on the host.
+FACTORIES = {
+    torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.eye, torch.tensor,
+    torch.as_tensor, torch.linspace, torch.rand, torch.randn, torch.randint, torch.randperm,
+}  # fmt: skip
+
+
+class HostMadeTensors(TorchFunctionMode):
+    """Records every op that mixes a tensor made on the host with the loop's tensors.
+
+    On a CPU every tensor is on the CPU, so a tensor made without ``device=`` (``torch.arange(k)``
+    in a stage) works beside the models' tensors here, and on a GPU fails ("expected all tensors
+    on the same device"), in eager mode as in graph mode. Host-made: what a factory makes without
+    a device, a ``.to("cpu")``, and whatever is computed from host-made tensors alone; every other
+    tensor (the models', the caller's, what the loop makes with ``device=``) is the device's.
+    Copies (``copy_``, ``.to(device)``) are how host data reaches the device: not mixes. 0-dim
+    host tensors may join device ops, as CUDA reads them as scalars.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mixes: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        hosts = [t for t in tensors if getattr(t, "_host_made", False)]
+        if func in FACTORIES:
+            made_here = kwargs.get("device") is None
+        elif func in (torch.Tensor.cpu, torch.Tensor.cuda):
+            made_here = func is torch.Tensor.cpu
+        elif func is torch.Tensor.to:  # with a device ("cpu" by name: the host), or a cast
+            named = [
+                a for a in (*args[1:], kwargs.get("device")) if isinstance(a, str | torch.device)
+            ]
+            made_here = named == ["cpu"] if named else bool(hosts)
+            if out is args[0] and not made_here:  # already there on a CPU; a copy on a GPU
+                out = out.view_as(out)
+        else:
+            made_here = bool(hosts) and len(hosts) == len(tensors)
+            mixed = hosts and not made_here and any(t.dim() for t in hosts)
+            if mixed and func is not torch.Tensor.copy_:
+                self.mixes.append(f"{getattr(func, '__name__', func)} at {_call_site()}")
+        if made_here:
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    t._host_made = True  # type: ignore[attr-defined]
+        return out
+
+
+def _call_site() -> str:
+    """The innermost frames of specselect's code on the stack."""
+    frames = [f for f in traceback.extract_stack() if "/specselect/" in f.filename]
+    return " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in frames[::-1][:3])
+
+
+def test_host_made_tensors_are_found() -> None:
+    """The check below finds a host-made tensor joining a device tensor, and nothing else."""
+    device_tensor = torch.zeros(3)
+    with HostMadeTensors() as check:
+        torch.arange(3) + device_tensor  # a CPU tensor beside a GPU one, on a GPU
+        torch.arange(3, device=device_tensor.device) + device_tensor
+        torch.tensor(2.0) * device_tensor  # a 0-dim host tensor is a scalar
+        device_tensor.copy_(torch.ones(3))  # a copy from the host
+        torch.ones(3).to(device_tensor.device) * device_tensor
+    assert len(check.mixes) == 1 and check.mixes[0].startswith("add")
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "trace"])
+@pytest.mark.parametrize(("config", "sample"), [("tetris", False), ("heuristic-tree", True)])
+def test_the_loop_makes_its_tensors_on_the_device(config: str, sample: bool, graphs: bool) -> None:
+    """Setup, stages and bookkeeping make every tensor they mix with the models' on the models'
+    device (``device=``): what no CPU run can see otherwise, and a GPU run would fail on.
+    (The fused CPU kernel of :mod:`specselect.native` is host code by design: switched off.)"""
+    if sample and graphs and not make_fx_traces_generators():
+        pytest.skip("this torch's make_fx cannot trace a generator argument (CPU trace mode)")
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    generator = torch.Generator().manual_seed(0) if sample else None
+    release_workspace(target)
+    with HostMadeTensors() as check, native.disabled(), emulate_on_cpu():
+        run(target, draft, ids[:3], mask[:3], config, eos, max_new_tokens=8, cuda_graphs=graphs,
+            do_sample=sample, generator=generator)  # fmt: skip
+    release_workspace(target)
+    assert check.mixes == []
 
 
 # ---------------------------------------------------------------------------------- on CUDA
