@@ -413,9 +413,16 @@ def test_tetris_uses_the_estimator_once_the_guard_trusts_it() -> None:
         accept = torch.rand(ROWS, 4, generator=gen) < under_confident(logprobs.exp(), None)
         run = accept.to(torch.int64).cumprod(1).sum(1)  # accepted if all 4 were verified
         selector.update(selection, torch.minimum(run, selection.lengths))
-    assert bool(selector.guard.trusted())
-    confident = torch.log(torch.tensor([[0.95] * 4, [0.05] * 4]))
-    assert selector.select(confident).lengths.tolist() == [4, 0]
+    guard = selector.guard
+    assert float(guard._histograms.sum()) > guard.min_observations  # type: ignore[union-attr]
+    assert bool(guard.trusted())  # on evidence, not as the warm start
+    # Acceptance 0.4 + 0.6 q lifts a middling row's estimates (q = 0.38: ~0.6 each) above a
+    # long shot followed by certainties, which the raw draft probabilities rank the other way;
+    # the fallback window would be [2, 2]. (Rows of 0.95 and 0.05 gave [4, 0] whether the
+    # estimator was used or not.)
+    middling = torch.log(torch.tensor([[0.38] * 4, [0.03, 0.99, 0.99, 0.99]]))
+    assert paper_tetris(k=2, extra=2).select(middling).lengths.tolist() == [3, 1]
+    assert selector.select(middling).lengths.tolist() == [4, 0]
 
 
 def test_request_ids_reset_the_slots_that_change_hands() -> None:
