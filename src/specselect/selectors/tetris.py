@@ -136,8 +136,8 @@ class TetrisSelector(Selector):
         A token at depth ``j`` is selected only with its ``j - 1`` predecessors (prefix and
         ancestor closure), so a depth beyond the budget ``C`` can never be verified: drafting
         it is a wasted draft pass. With one active row and ``C = k`` (batch size 1, or the
-        last request of a batch) TETRIS selects exactly standard SD's window, and now drafts
-        only that.
+        last request of a batch) TETRIS selects exactly standard SD's window, and drafts only
+        that.
         """
         check_int("num_active", num_active)
         if self._planner is not None:
