@@ -792,25 +792,25 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     # Each line goes out as soon as it is measured (and to --output, flushed): a run stopped
     # from outside, at a time limit of the machine, keeps every row it finished.
-    output = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
+    with contextlib.ExitStack() as stack:
+        output = (
+            stack.enter_context(open(args.output, "w", encoding="utf-8")) if args.output else None
+        )
 
-    def emit(line: str) -> None:
-        print(line, flush=True)
-        if output is not None:
-            output.write(line + "\n")
-            output.flush()
+        def emit(line: str) -> None:
+            print(line, flush=True)
+            if output is not None:
+                output.write(line + "\n")
+                output.flush()
 
-    emit(f"# bench_gpu.py on {name}, torch {torch.__version__}")
-    try:
+        emit(f"# bench_gpu.py on {name}, torch {torch.__version__}")
         # Without a GPU (--smoke), graph mode runs in CPU trace mode: same code, no speed meaning.
-        with emulate_on_cpu() if device.type != "cuda" else contextlib.nullcontext():
-            for part, title, measure in PARTS:
-                if args.part in (part, "all"):
-                    for line in itertools.chain(("", title, ""), measure(args, device)):
-                        emit(line)
-    finally:
-        if output is not None:
-            output.close()
+        if device.type != "cuda":
+            stack.enter_context(emulate_on_cpu())
+        for part, title, measure in PARTS:
+            if args.part in (part, "all"):
+                for line in itertools.chain(("", title, ""), measure(args, device)):
+                    emit(line)
     return 0
 
 

@@ -151,11 +151,9 @@ class TetrisSelector(Selector):
     def max_selected(self, width: int, num_active: int) -> int:
         """``width``, or the budget when smaller: ``C`` itself, or ``k · num_active`` (what
         the active rows share when ``width >= k``; inactive rows absorb the rest)."""
-        if self._planner is not None:
+        if self._planner is not None or (self.budget is None and width < self.k):
             return width
-        if isinstance(self.budget, int):
-            return min(width, self.budget)
-        return width if width < self.k else min(width, self.k * num_active)
+        return min(width, self._step_budget(num_active))
 
     @property
     def capture_key(self) -> Hashable | None:
