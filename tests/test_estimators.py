@@ -23,6 +23,7 @@ from specselect.estimators import (
     observed_outcomes,
     tree_outcomes,
 )
+from specselect.estimators.history import VARIANCE_FLOOR
 from specselect.estimators.synthetic import CALIBRATIONS, synthetic_traces
 from specselect.replay import Traces, iter_replay
 from specselect.tree import chain_parents
@@ -350,6 +351,10 @@ def test_estimators_run_on_meta_tensors(name: str) -> None:
         (lambda: RankingChoice(margin=math.inf), ValueError, "margin must be a finite float >= 0"),
         (lambda: RankingChoice(learned="history"), TypeError, "learned must be"),
         (lambda: RankingChoice(decay=2), ValueError, "decay"),
+        (lambda: RequestHistory(features=-1), ValueError, "features must be >= 0"),
+        (lambda: RequestHistory(features=2.0), TypeError, "features must be an int"),
+        (lambda: RequestHistory(feature_lr=0), ValueError, "feature_lr"),
+        (lambda: RequestHistory(feature_lr=math.nan), ValueError, "feature_lr"),
     ],
 )
 def test_bad_estimator_arguments(factory, error: type[Exception], match: str) -> None:
@@ -533,6 +538,129 @@ def test_history_model_matches_the_dense_feature_matrix(tree: bool) -> None:
     torch.testing.assert_close(estimator._weights, weights - estimator.lr * gradient)
 
 
+def feature_stream(estimator, steps: int, seed: int = 0) -> torch.Generator:
+    """Outcomes that only a per-token feature predicts: a token whose first feature is 1 is
+    accepted with probability 0.9, any other with 0.3, whatever the draft says."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        logprobs, features = feature_batch(gen)
+        accepted = torch.rand(ROWS, WIDTH, generator=gen) < feature_truth(features)
+        num_accepted = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)
+        estimator.estimate(logprobs, None, features)
+        outcomes = observed_outcomes(torch.full((ROWS,), WIDTH), num_accepted, WIDTH)
+        estimator.learn(logprobs, *outcomes, None, features)
+    return gen
+
+
+def feature_batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, K] log-probs, [B, K, 4] features)``: a binary first feature, three of noise."""
+    logprobs = torch.rand(ROWS, WIDTH, generator=gen).clamp(min=1e-3).log()
+    features = torch.rand(ROWS, WIDTH, 4, generator=gen)
+    features[..., 0] = (features[..., 0] < 0.3).float()
+    return logprobs, features
+
+
+def feature_truth(features: torch.Tensor) -> torch.Tensor:
+    return torch.where(features[..., 0] > 0, 0.9, 0.3)
+
+
+def test_history_learns_a_feature_that_predicts_acceptance() -> None:
+    """With features the model learns what they say (a positive weight on the predictive
+    one) and ranks fresh tokens far better than without them; a cold model is the model
+    without features (their weights start at 0)."""
+    with_features, without = RequestHistory(), RequestHistory(features=0)
+    gen = torch.Generator().manual_seed(5)
+    logprobs, features = feature_batch(gen)
+    cold = RequestHistory()
+    torch.testing.assert_close(cold.estimate(logprobs, None, features), cold.estimate(logprobs))
+    for estimator in (with_features, without):
+        feature_stream(estimator, steps=30)
+    assert with_features._feature_state[0, 0] > 1.0  # the predictive feature's weight
+    aucs = []
+    for estimator in (with_features, without):
+        scores = estimator.estimate(logprobs, None, features).flatten()
+        aucs.append(rank_auc(scores, feature_truth(features).flatten() > 0.5))
+    assert aucs[0] > 0.95 and aucs[1] < 0.6
+
+
+def test_history_feature_terms_match_their_definition() -> None:
+    """The feature part of the model, written out: features standardised by the decayed
+    moments of the selectable tokens' features (mean, variance floored at VARIANCE_FLOOR), a term
+    ``standardised @ w_f`` in the log-odds, and one AdaGrad step
+    ``w_f -= feature_lr * g / sqrt(0.01 + sum of g^2)`` with ``g`` the log-loss gradient over
+    the tested tokens, normalised like the other weights'."""
+    estimator = RequestHistory()
+    feature_stream(estimator, steps=4)  # non-trivial moments and weights
+    gen = torch.Generator().manual_seed(9)
+    logprobs, features = feature_batch(gen)
+    logprobs[0, 3:] = float("-inf")  # not selectable: not in the moments
+    state = estimator._feature_state.clone()  # [5, F]
+    weights, squares, sums = state[0], state[1], state[2:]
+    mean = sums[1] / sums[0]
+    variance = (sums[2] / sums[0] - mean**2).clamp(min=VARIANCE_FLOOR)
+    scaled = (features - mean) / variance.sqrt()
+    without = RequestHistory(features=0)  # the same model but for the feature term
+    without._weights, without._batch, without._decays = (
+        estimator._weights.clone(),
+        estimator._batch.clone(),
+        estimator._decays.clone(),
+    )
+    without._slots = {ROWS: estimator._slots[ROWS].to(torch.device("cpu"))}
+    without.calibration = estimator.calibration
+    z = _logit(without.estimate(logprobs).exp()) + scaled @ weights
+    estimate = estimator.estimate(logprobs, None, features)
+    finite = logprobs > float("-inf")
+    torch.testing.assert_close(estimate[finite], torch.sigmoid(z)[finite].log())
+    tested = finite & (torch.rand(ROWS, WIDTH, generator=gen) < 0.7)
+    passed = tested & (torch.rand(ROWS, WIDTH, generator=gen) < 0.5)
+    estimator.learn(logprobs, tested, passed, None, features)
+    error = (torch.sigmoid(z) - passed.float()) * tested.float()
+    gradient = (error.unsqueeze(2) * scaled).sum(dim=(0, 1)) / tested.sum()
+    expected = weights - estimator.feature_lr * gradient / (squares + gradient**2).sqrt()
+    torch.testing.assert_close(estimator._feature_state[0], expected)
+    seen = features[finite]  # [selectable, F]
+    step = torch.stack([finite.sum().expand(4).float(), seen.sum(0), (seen**2).sum(0)])
+    torch.testing.assert_close(estimator._feature_state[2:], sums * 0.99 + step)
+
+
+@pytest.mark.parametrize(
+    ("features", "error", "match"),
+    [
+        (torch.zeros(ROWS, WIDTH), ValueError, "features must have rank 3"),
+        (torch.zeros(ROWS, WIDTH + 1, 4), ValueError, r"\[B, K\] = \[32, 6\]"),
+        (torch.zeros(ROWS, WIDTH, 4, dtype=torch.int64), ValueError, "floating-point"),
+        (torch.full((ROWS, WIDTH, 4), math.nan), ValueError, "features must be finite"),
+        (torch.zeros(ROWS, WIDTH, 3), ValueError, "reads 4 features per token"),
+    ],
+)
+def test_bad_features_get_a_clear_error(features, error: type[Exception], match: str) -> None:
+    """Through a selector's select (wrong shapes and values: before anything is learned)
+    and through an estimator's learn."""
+    logprobs = torch.full((ROWS, WIDTH), -0.5)
+    with pytest.raises(error, match=match):
+        TetrisSelector(3, 2).select(logprobs, features=features)
+    estimator = RequestHistory()
+    tested = torch.ones(ROWS, WIDTH, dtype=torch.bool)
+    with pytest.raises(error, match=match):
+        estimator.learn(logprobs, tested, tested, None, features)
+
+
+def test_features_reach_only_estimators_that_read_them() -> None:
+    """An estimator written before features existed (two arguments) still works under a
+    selector given features, and so does the paper's TETRIS (no estimator)."""
+    features = torch.zeros(ROWS, WIDTH, 4)
+    logprobs = torch.full((ROWS, WIDTH), -0.5)
+    for selector in (
+        TetrisSelector(3, 2, estimator=ScaledTruth(), guard=False),
+        TetrisSelector(3, 2, estimator=RankingChoice(learned=ScaledTruth())),
+        paper_tetris(3, 2),
+    ):
+        assert not selector.uses_features
+        selection = selector.select(logprobs, features=features)
+        selector.update(selection, torch.zeros(ROWS, dtype=torch.int64))
+    assert TetrisSelector(3, 2).uses_features
+
+
 @pytest.mark.parametrize("name", ["calibrated", "history", "choice"])
 def test_estimates_follow_an_input_buffer_refilled_in_place(name: str) -> None:
     """Loops with static buffers (CUDA graphs) refill one tensor every step: no estimate may
@@ -652,7 +780,8 @@ def test_select_and_update_replay_like_eager_calls_when_traced() -> None:
     live tensors as constants) replays the recorded kernels on the buffers they saw: state
     rebound to a new tensor would freeze in the graph. Replayed steps must select exactly what
     eager calls select, through the estimator's switch from the draft's ranking to the learned
-    one, and the traced step may not read anything back to the host."""
+    one, and the traced step may not read anything back to the host. The steps pass lookup
+    features, as the loop does: their part of the model is captured too."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from specselect.hf.graphs import HostReads
@@ -667,18 +796,22 @@ def test_select_and_update_replay_like_eager_calls_when_traced() -> None:
     truth[:10] = all_logprobs[:10].exp()
     accepts = torch.rand(steps, rows, width, generator=gen) < truth
     all_runs = accepts.to(torch.int64).cumprod(dim=2).sum(dim=2)  # [steps, B]
+    all_features = (torch.rand(steps, rows, width, 4, generator=gen) < 0.3).float()
+    all_features[..., 0] = accepts.float()  # a telling feature: its weight moves selections
     logprobs = torch.empty(rows, width)  # the loop's input buffers
+    features = torch.empty(rows, width, 4)
     runs = torch.empty(rows, dtype=torch.int64)
     chosen = torch.empty(rows, width, dtype=torch.bool)  # the loop's output buffer
 
     def step(selector: TetrisSelector) -> None:
-        selection = selector.select(logprobs)
+        selection = selector.select(logprobs, features=features)
         selector.update(selection, torch.minimum(selection.lengths, runs))
         chosen.copy_(selection.mask)
 
     def load(index: int) -> torch.Tensor:
         logprobs.copy_(all_logprobs[index])
         runs.copy_(all_runs[index])
+        features.copy_(all_features[index])
         step(eager)
         return chosen.clone()
 

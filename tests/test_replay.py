@@ -50,7 +50,9 @@ from specselect.selectors import SELECTORS
 # --------------------------------------------------------------------------------------------
 
 
-def build_tiny_pair(seed: int = 0, vocab: int = 64, noise: float = 0.01) -> tuple:
+def build_tiny_pair(
+    seed: int = 0, vocab: int = 64, noise: float = 0.01, positions: int = 256
+) -> tuple:
     """A random Llama target and a noisy copy of it as the draft (greedy agreement ~0.6-0.8)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -62,7 +64,7 @@ def build_tiny_pair(seed: int = 0, vocab: int = 64, noise: float = 0.01) -> tupl
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=positions,
         initializer_range=0.2,  # peaked enough that a noisy copy agrees most of the time
         attn_implementation="sdpa",
     )
@@ -897,6 +899,49 @@ def test_replay_equals_live(tiny_pair: tuple, model_traces: Traces, name: str, s
     replayed = replay(model_traces, config.build(default_cost_model()), slots=slots, refill=False)
     assert [int(a.sum()) for a in replayed.accepted_per_step] == live_accepted
     assert [s.verified for s in replayed.steps] == [s.verified for s in live_steps]
+
+
+class FeatureSpy(TetrisSelector):
+    """The default TETRIS, recording each step's lookup features of the active rows'
+    selectable tokens (row-major)."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self.seen: list[Tensor] = []
+
+    def select(self, draft_logprobs, active=None, *, parents=None, request_ids=None, features=None):
+        assert features is not None  # the default estimator reads them
+        rows = torch.ones_like(draft_logprobs, dtype=torch.bool) if active is None else active
+        selectable = (draft_logprobs > float("-inf")) & rows.view(-1, 1)
+        self.seen.append(features[selectable])
+        return super().select(
+            draft_logprobs, active, parents=parents, request_ids=request_ids, features=features
+        )
+
+
+@pytest.mark.skipif(_speculative_generate() is None, reason="specselect.hf is not available")
+@pytest.mark.parametrize("long", [False, True], ids=["short-prompts", "prompts-beyond-window"])
+def test_the_loop_computes_the_lookup_features_replay_reads(
+    tiny_pair: tuple, model_traces: Traces, long: bool
+) -> None:
+    """The loop keeps each slot's recent tokens through prefill, emission and retirement
+    (rows finish at different steps, and the batch shrinks), and its features equal those
+    replay derives from the traces, step by step; prompts longer than the window are cut
+    alike."""
+    from specselect.lookup import LOOKUP_WINDOW
+
+    pair, traces = tiny_pair, model_traces
+    if long:
+        pair = build_tiny_pair(positions=LOOKUP_WINDOW + 64)
+        prompts = random_prompts(64, (LOOKUP_WINDOW + 30, 5, LOOKUP_WINDOW + 4), seed=2)
+        traces = record_traces(*pair, prompts, max_new_tokens=12, max_k=4, batch_size=3)
+    live, replayed = FeatureSpy(), FeatureSpy()
+    _generate_in_batches(pair, traces, live, slots=3)
+    replay(traces, replayed, slots=3, refill=False)
+    assert len(live.seen) == len(replayed.seen)
+    for step, (seen, expected) in enumerate(zip(live.seen, replayed.seen, strict=True)):
+        assert torch.equal(seen, expected), step
+    assert sum(int(f[:, 0].sum()) for f in live.seen) > 0  # some token agreed with a match
 
 
 @pytest.mark.skipif(_speculative_generate() is None, reason="specselect.hf is not available")

@@ -39,6 +39,7 @@ from specselect.estimators import (
     observed_outcomes,
     tree_outcomes,
 )
+from specselect.estimators.base import check_features
 from specselect.topc import top_c_mask as top_c_mask  # public here too
 from specselect.tree import check_parents, path_minima, path_sums
 
@@ -54,6 +55,7 @@ class _LastSelect:
     scores: Tensor  # [B, K] what was ranked (estimates, or the log-probs)
     parents: Tensor | None  # [B, N] for a tree selection
     positions: Tensor | None  # [B, N] depth - 1 of each node, for a tree selection
+    features: Tensor | None  # [B, K, F] per-token features the estimator read
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,7 @@ class Selector(abc.ABC):
         *,
         parents: Tensor | None = None,
         request_ids: Tensor | None = None,
+        features: Tensor | None = None,
     ) -> Selection:
         """Choose the draft tokens to verify.
 
@@ -219,6 +222,10 @@ class Selector(abc.ABC):
                 positions (see :mod:`specselect.tree`); the result is closed under ancestors.
             request_ids: optional ``[B]`` int64 id of the request in each batch slot. When a
                 slot's id changes, per-request state of that slot is reset (:meth:`reset_rows`).
+            features: optional ``[B, K, F]`` float per-token features for the acceptance
+                estimator (with ``parents``, ``[B, N, F]`` per node): what
+                :func:`specselect.lookup.lookup_features` computes from the context. Read
+                only when :attr:`uses_features`; a loop computes them only then.
 
         Returns:
             A :class:`Selection` on the input's device.
@@ -240,14 +247,21 @@ class Selector(abc.ABC):
                 )
             parents = check_parents(parents, rows=rows, width=width)
             positions = path_sums(torch.ones_like(draft_logprobs), parents).to(torch.int64) - 1
+        if features is not None:
+            features = check_features(features, draft_logprobs)
+        if not self.uses_features:
+            features = None
         scores = draft_logprobs
         if self.estimator is not None:
-            scores = self.estimator.estimate(draft_logprobs, positions)
+            # Features go only to an estimator that declared it reads them (one written before
+            # they existed takes two arguments).
+            given = () if features is None else (features,)
+            scores = self.estimator.estimate(draft_logprobs, positions, *given)
         if parents is None or positions is None:
             selection = self._select(scores, active)
         else:
             selection = self._select_tree(scores, active, parents, positions + 1)
-        self._last = _LastSelect(draft_logprobs, scores, parents, positions)
+        self._last = _LastSelect(draft_logprobs, scores, parents, positions, features)
         return selection
 
     @abc.abstractmethod
@@ -289,7 +303,8 @@ class Selector(abc.ABC):
             _check_accepted_nodes(accepted_nodes, selection, num_accepted)
         if self.estimator is not None and last is not None:
             tested, passed = self.outcomes(selection, num_accepted, accepted_nodes)
-            self.estimator.learn(last.logprobs, tested, passed, last.positions)
+            given = () if last.features is None else (last.features,)
+            self.estimator.learn(last.logprobs, tested, passed, last.positions, *given)
         self._update(selection, num_accepted, accepted_nodes)
 
     def _matching_last(self, selection: Selection) -> _LastSelect | None:
@@ -409,6 +424,13 @@ class Selector(abc.ABC):
         """Forget per-request state of ``rows`` (``[B]`` bool): their slots hold new requests."""
         if self.estimator is not None:
             self.estimator.reset_rows(rows)
+
+    @property
+    def uses_features(self) -> bool:
+        """Whether :meth:`select` reads per-token ``features``: its acceptance estimator's
+        :attr:`~specselect.estimators.AcceptanceEstimator.uses_features`. A loop computes them
+        only when this is true."""
+        return self.estimator is not None and self.estimator.uses_features
 
     @property
     def capture_key(self) -> Hashable | None:

@@ -30,7 +30,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specselect._checks import check_implies, check_ints, check_mask, check_tensor
+from specselect._checks import (
+    _values_checkable,
+    check_implies,
+    check_ints,
+    check_mask,
+    check_tensor,
+)
 
 EPS = 1e-4  # estimates are kept in [EPS, 1 - EPS]: log(0) would forbid a token forever
 
@@ -50,6 +56,9 @@ class AcceptanceEstimator(abc.ABC):
 
     ``positions`` (``[B, K]`` int64, optional) is each token's 0-based position along its
     chain: its column for chains (the default), ``depth - 1`` for draft-tree nodes.
+    ``features`` (``[B, K, F]`` float, optional) are per-token features a loop computes from
+    the context, :func:`specselect.lookup.lookup_features` in specselect's own loops; an
+    estimator that reads them says so with :attr:`uses_features`, the others ignore them.
 
     An estimator implements :meth:`estimate` and, if it learns, :meth:`_learn`, which
     :meth:`learn` calls once the arguments are checked.
@@ -64,8 +73,19 @@ class AcceptanceEstimator(abc.ABC):
         place after it (see the module doc). ``False`` unless an estimator declares it."""
         return False
 
+    @property
+    def uses_features(self) -> bool:
+        """Whether :meth:`estimate` reads per-token ``features``: a loop computes them only
+        for an estimator that does. ``False`` unless an estimator declares it."""
+        return False
+
     @abc.abstractmethod
-    def estimate(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
+    def estimate(
+        self,
+        draft_logprobs: Tensor,
+        positions: Tensor | None = None,
+        features: Tensor | None = None,
+    ) -> Tensor:
         """``[B, K]`` draft log-probs → ``[B, K]`` estimated log acceptance probabilities.
 
         ``-inf`` inputs stay ``-inf`` (never selectable); everything else is finite and <= 0.
@@ -77,6 +97,7 @@ class AcceptanceEstimator(abc.ABC):
         tested: Tensor,
         passed: Tensor,
         positions: Tensor | None = None,
+        features: Tensor | None = None,
     ) -> None:
         """Update from ``[B, K]`` log-probs and ``[B, K]`` bool tested / passed masks
         (:func:`~specselect.estimators.outcomes.observed_outcomes` for chains,
@@ -86,8 +107,8 @@ class AcceptanceEstimator(abc.ABC):
         mask of the wrong shape used to fail inside a scatter, after the counts had decayed);
         :meth:`_learn` is what an estimator implements.
         """
-        check_learn_arguments(draft_logprobs, tested, passed, positions)
-        self._learn(draft_logprobs, tested, passed, positions)
+        check_learn_arguments(draft_logprobs, tested, passed, positions, features)
+        self._learn(draft_logprobs, tested, passed, positions, features)
 
     def _learn(  # noqa: B027
         self,
@@ -95,6 +116,7 @@ class AcceptanceEstimator(abc.ABC):
         tested: Tensor,
         passed: Tensor,
         positions: Tensor | None,
+        features: Tensor | None,
     ) -> None:
         """:meth:`learn` from checked arguments (learns nothing by default)."""
 
@@ -118,7 +140,12 @@ class DraftProbability(AcceptanceEstimator):
     def capturable(self) -> bool:
         return True
 
-    def estimate(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
+    def estimate(
+        self,
+        draft_logprobs: Tensor,
+        positions: Tensor | None = None,
+        features: Tensor | None = None,
+    ) -> Tensor:
         return draft_logprobs
 
 
@@ -174,10 +201,11 @@ def check_state_device(owner: object, state: Tensor, device: torch.device) -> No
 
 
 def check_learn_arguments(
-    draft_logprobs: object, tested: object, passed: object, positions: object
+    draft_logprobs: object, tested: object, passed: object, positions: object, features: object
 ) -> None:
     """Check :meth:`AcceptanceEstimator.learn`'s arguments: ``[B, K]`` floating log-probs,
-    bool masks and optional integer positions of that shape on its device (metadata: free), and
+    bool masks and optional integer positions of that shape on its device, optional
+    ``[B, K, F]`` floating features (see :func:`check_features`; metadata: free), and
     that every token that passed was tested, where the values can be read without a sync (see
     :mod:`specselect._checks`): a pass that was not tested would count as both an acceptance
     and a rejection."""
@@ -189,7 +217,30 @@ def check_learn_arguments(
     passed_mask = check_mask("passed", passed, shape, device)
     if positions is not None:
         check_ints("positions", positions, shape, device)
+    if features is not None:
+        check_features(features, logprobs)
     check_implies("passed", passed_mask, "tested", tested_mask)
+
+
+def check_features(features: object, draft_logprobs: Tensor) -> Tensor:
+    """``features`` as a ``[B, K, F]`` floating tensor on ``draft_logprobs``'s device, ``B, K``
+    its shape, or a clear error."""
+    checked = check_tensor("features", features, rank=3)
+    rows, width = draft_logprobs.shape
+    if tuple(checked.shape[:2]) != (rows, width) or not checked.is_floating_point():
+        raise ValueError(
+            f"features must be a floating-point [B, K, F] tensor with [B, K] = "
+            f"{[rows, width]} (draft_logprobs' shape), got {checked.dtype} of shape "
+            f"{list(checked.shape)}"
+        )
+    if checked.device != draft_logprobs.device:
+        raise ValueError(
+            f"features must be on draft_logprobs' device ({draft_logprobs.device}), "
+            f"got {checked.device}"
+        )
+    if _values_checkable(checked) and not bool(torch.isfinite(checked).all()):
+        raise ValueError("features must be finite (NaN or inf would poison what is learned)")
+    return checked
 
 
 def logit(p: Tensor) -> Tensor:

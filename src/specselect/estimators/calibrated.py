@@ -123,7 +123,12 @@ class CalibratedDraft(AcceptanceEstimator):
         logits = self._state(draft_logprobs.device)[1]
         return logits.index_select(0, cells.reshape(-1)).view(cells.shape)
 
-    def estimate(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
+    def estimate(
+        self,
+        draft_logprobs: Tensor,
+        positions: Tensor | None = None,
+        features: Tensor | None = None,
+    ) -> Tensor:
         finite = draft_logprobs > float("-inf")
         return clamp_log(self.probabilities(draft_logprobs, positions), finite)
 
@@ -133,6 +138,7 @@ class CalibratedDraft(AcceptanceEstimator):
         tested: Tensor,
         passed: Tensor,
         positions: Tensor | None,
+        features: Tensor | None,
     ) -> None:
         # passed implies tested, so tested ^ passed are the rejections.
         outcomes = torch.stack([passed, tested ^ passed]).to(torch.float32)  # [2, B, K]

@@ -135,9 +135,18 @@ class RankingChoice(AcceptanceEstimator):
         aucs = histogram_auc(histograms)  # [2]
         return predicts | (aucs[LEARNED] > aucs[DRAFT])
 
-    def estimate(self, draft_logprobs: Tensor, positions: Tensor | None = None) -> Tensor:
-        learned = self.learned.estimate(draft_logprobs, positions)  # [B, K]
-        self._learned_estimate.keep((draft_logprobs, positions), learned)
+    @property
+    def uses_features(self) -> bool:
+        return self.learned.uses_features
+
+    def estimate(
+        self,
+        draft_logprobs: Tensor,
+        positions: Tensor | None = None,
+        features: Tensor | None = None,
+    ) -> Tensor:
+        learned = self._learned_scores(draft_logprobs, positions, features)  # [B, K]
+        self._learned_estimate.keep((draft_logprobs, positions, features), learned)
         return torch.where(self.uses_learned(draft_logprobs.device), learned, draft_logprobs)
 
     def _learn(
@@ -146,10 +155,11 @@ class RankingChoice(AcceptanceEstimator):
         tested: Tensor,
         passed: Tensor,
         positions: Tensor | None,
+        features: Tensor | None,
     ) -> None:
-        learned = self._learned_estimate.take((draft_logprobs, positions))
+        learned = self._learned_estimate.take((draft_logprobs, positions, features))
         if learned is None:
-            learned = self.learned.estimate(draft_logprobs, positions)
+            learned = self._learned_scores(draft_logprobs, positions, features)
         state = self._state(draft_logprobs.device)
         stats, histograms = _split(state)
         rankings = torch.stack([draft_logprobs, learned])  # [2, B, K]
@@ -162,7 +172,17 @@ class RankingChoice(AcceptanceEstimator):
         flat = histograms.view(RANKINGS, 2 * BINS)  # [2, 2 * BINS]
         flat.scatter_add_(1, cells.view(RANKINGS, -1), weights.reshape(RANKINGS, -1))
         # Its public learn: an estimator of one's own may implement learn itself.
-        self.learned.learn(draft_logprobs, tested, passed, positions)
+        self.learned.learn(draft_logprobs, tested, passed, positions, *self._given(features))
+
+    def _learned_scores(
+        self, draft_logprobs: Tensor, positions: Tensor | None, features: Tensor | None
+    ) -> Tensor:  # [B, K]
+        return self.learned.estimate(draft_logprobs, positions, *self._given(features))
+
+    def _given(self, features: Tensor | None) -> tuple[Tensor, ...]:
+        """The features for the learned estimator if it reads them (one written before they
+        existed takes no such argument)."""
+        return (features,) if features is not None and self.learned.uses_features else ()
 
 
 def _fresh_stats(device: torch.device) -> Tensor:  # -> [3 + 4 * BINS]

@@ -27,10 +27,11 @@ offset_request + noise_t`` with ``offset ~ N(0, request_spread)`` and ``noise ~ 
 token_spread)``; ``request_spread = 0`` makes all requests alike, and with an uninformative
 draft then nothing predicts acceptance.
 
-The traces follow the replay conventions (:mod:`specselect.replay`): the target emits token 0
-everywhere, and the draft's continuation from position ``t`` proposes token 0 at offset ``j``
-iff the draft "agrees" at ``t + j``, a Bernoulli(``a[t + j]``) draw shared by every window that
-covers ``t + j``, so that the run lengths of overlapping windows are consistent.
+The traces follow the replay conventions (:mod:`specselect.replay`): the target emits random
+tokens (uniform over ``SYNTHETIC_VOCAB`` ids: text with no structure a context feature could
+read), and the draft's continuation from position ``t`` proposes the target's token at offset
+``j`` iff the draft "agrees" at ``t + j``, a Bernoulli(``a[t + j]``) draw shared by every window
+that covers ``t + j``, so that the run lengths of overlapping windows are consistent.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ CALIBRATIONS = ("calibrated", "over-confident", "under-confident", "uninformativ
 """The draft calibrations :func:`synthetic_traces` can write."""
 
 UNDER = 6.0  # the exponent of the miscalibrated half of the requests (module doc)
+SYNTHETIC_VOCAB = 32000  # token ids of the synthetic text
 
 
 def _powers(acceptance: Tensor, generator: torch.Generator) -> Tensor:
@@ -131,8 +133,13 @@ def synthetic_traces(
     acceptance = torch.sigmoid(mean + offsets + noise)  # [N, T + K]
     agree = torch.rand(n, total, generator=g) < acceptance  # [N, T + K]
     q = reported_probability(acceptance, calibration, g)  # [N, T + K]
+    # Random text, drawn last (the numbers above do not depend on it): the tokens carry the
+    # agreement and nothing else, so a feature of the context (prompt lookup) finds no
+    # structure to learn from, where tokens 0 and 1 would spell out the outcomes.
+    text = torch.randint(1, SYNTHETIC_VOCAB, (n, total), generator=g)  # [N, T + K]
+    drafted = torch.where(agree, text, text % (SYNTHETIC_VOCAB - 1) + 1)  # != text if not agree
     # Window t covers positions t .. t + K - 1.
-    draft_tokens = (~agree.unfold(1, width, 1)[:, :length]).to(torch.int64)  # [N, T, K]
+    draft_tokens = drafted.unfold(1, width, 1)[:, :length].contiguous()  # [N, T, K]
     logprobs = q.log().unfold(1, width, 1)[:, :length].contiguous()  # [N, T, K]
     prompts = [torch.zeros(4, dtype=torch.int64) for _ in range(n)]
     meta = {
@@ -144,4 +151,4 @@ def synthetic_traces(
             "seed": seed,
         }
     }
-    return Traces(prompts, torch.zeros(n, length, dtype=torch.int64), draft_tokens, logprobs, meta)
+    return Traces(prompts, text[:, :length].contiguous(), draft_tokens, logprobs, meta)

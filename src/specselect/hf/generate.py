@@ -465,8 +465,9 @@ class _Loop:
         return (
             f"cache_slack={self.slack} is too small for this call: a step needed {full.columns} "
             f"cache columns per row, the caches hold {full.capacity}; pass cache_slack >= "
-            f"{full.columns - reserved} (the default, {DEFAULT_CACHE_SLACK}, holds chains of "
-            "several dozen drafts)"
+            f"{full.columns - reserved} for this step (rows drift further apart as a call goes "
+            f"on, so a later step may need more; the default, {DEFAULT_CACHE_SLACK}, holds "
+            "chains of several dozen drafts)"
         )
 
     def _generate(
@@ -553,6 +554,7 @@ class _Loop:
             batch=batch,
             max_new_tokens=self.options.max_new_tokens,
             eos=len(self.options.eos_token_ids),
+            lookup=self.selector is not None and self.selector.uses_features,
         )
 
     def _check_memory(self, layout: Layout, prompt: int) -> None:
@@ -609,6 +611,7 @@ class _Loop:
             state.target.forward(context, valid, last_only=True)
             state.target.commit(valid)
         state.pending[:size] = ids[:, -1]
+        state.start_window(ids, mask)
         counts = valid.sum(dim=1).tolist()  # setup read: the rows' lengths
         state.counts = (counts, counts)
         if state.drafter is not None:

@@ -34,6 +34,7 @@ from specselect.hf.draft import ChainDrafter, SamplingParams
 from specselect.hf.graphs import bucket_for
 from specselect.hf.kv import ModelCache
 from specselect.hf.options import GenerationOptions
+from specselect.lookup import LOOKUP_WINDOW, push_tokens
 from specselect.metrics import StepCounts, Totals
 
 #: Rows of a step's report, per slot: finished, verified, accepted, written, the target's and
@@ -177,6 +178,7 @@ class Layout:
     batch: int  # caller rows the output buffer holds
     max_new_tokens: int  # output columns (plus a scratch column)
     eos: int  # EOS ids (their number is part of the captured code)
+    lookup: bool = False  # keep each slot's recent tokens (the selector reads lookup features)
 
     def serves(self, need: Layout) -> bool:
         """Whether buffers allocated for ``self`` can serve a call that needs ``need``."""
@@ -186,6 +188,7 @@ class Layout:
             and self.batch >= need.batch
             and self.max_new_tokens >= need.max_new_tokens
             and self.eos == need.eos
+            and self.lookup >= need.lookup
         )
 
 
@@ -239,6 +242,12 @@ class GenerationState:
         self.active = torch.zeros(slots, dtype=torch.bool, device=device)
         self.generated = torch.zeros(slots, dtype=torch.int64, device=device)
         self.pending = torch.zeros(slots, dtype=torch.int64, device=device)
+        # Per slot, for the selector's lookup features: the last LOOKUP_WINDOW tokens of the
+        # prompt and output, right-aligned, and how many of them there are.
+        self.window = torch.zeros(
+            slots if layout.lookup else 0, LOOKUP_WINDOW, dtype=torch.int64, device=device
+        )
+        self.filled = torch.zeros(slots if layout.lookup else 0, dtype=torch.int64, device=device)
         # Flat, so that the [REPORT_ROWS, size] view of any bucket is contiguous: a copy into a
         # strided pinned view would go through a pageable temporary and lose its asynchrony.
         self.report_host = (
@@ -276,6 +285,17 @@ class GenerationState:
         self.generated_host = [0] * batch
         self.counts = ([0] * size, [0] * size)
         self.per_row = {name: [0] * batch for name in ("verified", "accepted", "emitted", "steps")}
+
+    def start_window(self, ids: Tensor, mask: Tensor) -> None:
+        """Each slot's recent tokens from its left-padded prompt (``[size, P]`` ids and 0/1
+        mask; the last token included), when the layout keeps them."""
+        if not self.layout.lookup:
+            return
+        size, width = ids.shape[0], LOOKUP_WINDOW
+        tail = ids[:, -width:].to(self.device, torch.int64)  # [size, <= W]
+        self.window[:size].zero_()
+        self.window[:size, width - tail.shape[1] :] = tail
+        self.filled[:size] = mask.to(self.device).sum(dim=1).clamp(max=width)
 
     # ------------------------------------------------------------------ host-side facts
     def caches(self) -> list[ModelCache]:
@@ -334,6 +354,8 @@ class GenerationState:
         slots = torch.where(columns < count.unsqueeze(1), slots, self.max_new)
         self.out.index_put_((self.rows[:size].unsqueeze(1).expand_as(slots), slots), emitted)
         self.generated[:size] += count
+        if self.layout.lookup:
+            push_tokens(self.window[:size], self.filled[:size], emitted, count)
         finished = active & (hit_eos | (self.generated[:size] >= self.max_new))
         active &= ~finished
         return count, finished
@@ -473,6 +495,9 @@ class GenerationState:
         size = len(keep)
         for buffer in (self.rows, self.active, self.generated, self.pending):
             buffer[:size] = buffer.index_select(0, index)
+        if self.layout.lookup:
+            for buffer in (self.window, self.filled):
+                buffer[:size] = buffer.index_select(0, index)
         self.slot_rows = [self.slot_rows[slot] for slot in keep]
         self.counts = tuple([counts[slot] for slot in keep] for counts in self.counts)  # type: ignore[assignment]
         self.size = size

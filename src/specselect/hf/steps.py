@@ -42,6 +42,7 @@ from specselect.hf.draft import ChainDrafter, DraftChain, SamplingParams
 from specselect.hf.graphs import StageRunner
 from specselect.hf.state import ACCEPTED, DEEPEST, VERIFIED, GenerationState, PhaseClock
 from specselect.hf.tree_draft import DraftTree, TreeDrafter
+from specselect.lookup import LOOKUP_FEATURES, chain_paths, lookup_features
 from specselect.scores import causal_logprobs, expected_self_logprob
 from specselect.selection import NEG_INF, Selection, Selector, available_lengths, prefix_mask
 from specselect.tree import TreeBuffers, TreeSpec, build_tree_buffers, path_sums
@@ -108,7 +109,8 @@ class Step(abc.ABC):
         plan = self._prepare()
         clock.lap()
         if plan.width:
-            self.runner(("draft", state.size, plan.key), lambda: self.draft(plan))
+            draft_key = ("draft", state.size, plan.key, self.reads_features)
+            self.runner(draft_key, lambda: self.draft(plan))
         clock.lap()
         capture = self._selector_capture()
         if capture is None:
@@ -221,6 +223,30 @@ class Step(abc.ABC):
         return None
 
     # ------------------------------------------------------------------ shared stage parts
+    @property
+    def reads_features(self) -> bool:
+        """Whether the selector reads lookup features (the draft stage then computes them)."""
+        return self.selector is not None and self.selector.uses_features
+
+    def _lookup(self, tokens: Tensor, paths: Tensor) -> None:
+        """The draft tokens' lookup features (``[b, N]`` tokens, ``[b, N, D]`` or ``[N, D]``
+        paths) into ``state.io``, for a selector that reads them (in the draft stage: the
+        window holds the committed tokens then)."""
+        if not self.reads_features:
+            return
+        state = self.state
+        size, nodes = tokens.shape
+        features = lookup_features(state.window[:size], state.filled[:size], tokens, paths)
+        self._io("features", (size, nodes, LOOKUP_FEATURES), torch.float32).copy_(features)
+
+    def _features(self, nodes: int) -> Tensor | None:  # -> [B, N, F] or None
+        """What :meth:`_lookup` wrote, per caller row (``None`` if the selector reads none)."""
+        if not self.reads_features:
+            return None
+        state = self.state
+        features = self._io("features", (state.size, nodes, LOOKUP_FEATURES), torch.float32)
+        return state.to_full(features, 0.0)
+
     def _io(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.int64) -> Tensor:
         return self.state.io(name, shape, dtype)
 
@@ -315,6 +341,7 @@ class ChainStep(Step):
             self._draft_probs(size, k, chain.probs).copy_(chain.probs)
         scores = self._mask_unemittable(chain.tokens, _selection_scores(chain))
         self._io("scores", (size, k), torch.float32).copy_(scores)
+        self._lookup(chain.tokens, chain_paths(k, state.device))
 
     def select(self, plan: Plan) -> None:
         state = self.state
@@ -324,7 +351,9 @@ class ChainStep(Step):
             lengths.zero_()
             return
         scores = self._io("scores", (size, k), torch.float32)
-        self.selection = self.selector.select(state.to_full(scores, NEG_INF), state.active_rows())
+        self.selection = self.selector.select(
+            state.to_full(scores, NEG_INF), state.active_rows(), features=self._features(k)
+        )
         # A selector that broke its contract must not be able to overflow a row.
         chosen = state.to_slots(self.selection.lengths) * state.active[:size]
         lengths.copy_(torch.minimum(chosen, available_lengths(scores)))
@@ -386,6 +415,7 @@ class TreeStep(Step):
             tree, buffers, self._tree_scores(tree, drafter.sampled)
         )
         self._io("scores", (*scores.shape,), torch.float32).copy_(scores)
+        self._lookup(tree.tokens, buffers.paths)
 
     def select(self, plan: Plan) -> None:
         self.selection = None
@@ -399,6 +429,7 @@ class TreeStep(Step):
             state.to_full(scores, NEG_INF),
             state.active_rows(),
             parents=state.to_full(parents, -1),
+            features=self._features(nodes),
         )
         # A selector that broke its contract must not verify nodes no row can emit, nor more
         # nodes than the verify pass holds (the first ones in index order stay closed under

@@ -195,7 +195,10 @@ def iter_replay(
         if isinstance(selector, OracleSelector):
             selector.set_runs(runs)
         # Request ids follow requests: a refilled slot gets a new id and its state is reset.
-        selection = selector.select(shown, active, request_ids=requests)
+        features = None
+        if selector.uses_features:  # [S, K, F]; garbage in empty slots, whose tokens are -inf
+            features = traces.lookup_features[requests.clamp(min=0), positions, :window]
+        selection = selector.select(shown, active, request_ids=requests, features=features)
         _check_selection(selection, active, window, selector)
         accepted = torch.minimum(selection.lengths, runs)
         selector.update(selection, accepted)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int, check_tensor
+from specselect.lookup import LOOKUP_WINDOW, chain_paths, lookup_features
 
 TRACE_FORMAT = "specselect-traces"
 TRACE_VERSION = 1
@@ -132,6 +133,21 @@ class Traces:
         """``[N]`` int64 prompt lengths."""
         return torch.tensor([int(p.numel()) for p in self.prompt_ids], dtype=torch.int64)
 
+    @cached_property
+    def lookup_features(self) -> Tensor:
+        """``[N, T, K_max, F]`` float32 prompt-lookup features of every drafted token (see
+        :func:`specselect.lookup.lookup_features`), as the decoding loop computes them: the
+        context at position ``t`` is the prompt and the first ``t`` output tokens, its last
+        :data:`~specselect.lookup.LOOKUP_WINDOW` searched."""
+        return torch.stack(
+            [
+                _request_lookup_features(prompt, output, drafts)
+                for prompt, output, drafts in zip(
+                    self.prompt_ids, self.output_ids, self.draft_tokens, strict=True
+                )
+            ]
+        )
+
     def subset(self, indices: Sequence[int]) -> Traces:
         """The traces of the requests ``indices``, in that order."""
         index = torch.as_tensor(list(indices), dtype=torch.int64)
@@ -142,6 +158,25 @@ class Traces:
             draft_logprobs=self.draft_logprobs[index],
             meta=dict(self.meta),
         )
+
+
+def _request_lookup_features(
+    prompt: Tensor,  # [P] int64
+    output: Tensor,  # [T] int64
+    drafts: Tensor,  # [T, K] int64
+) -> Tensor:  # -> [T, K, F] float32
+    """One request's lookup features at every position, its positions as one batch."""
+    length, width = drafts.shape
+    prompt = prompt.to(output.device, torch.int64)
+    pad = torch.full((LOOKUP_WINDOW,), -1, dtype=torch.int64, device=output.device)
+    sequence = torch.cat([pad, prompt, output.to(torch.int64)])  # [W + P + T]
+    # Position t's window ends right before output token t: at W + P + t.
+    ends = LOOKUP_WINDOW + prompt.numel() + torch.arange(length, device=output.device)  # [T]
+    columns = ends.unsqueeze(1) - LOOKUP_WINDOW + torch.arange(LOOKUP_WINDOW, device=ends.device)
+    windows = sequence[columns]  # [T, W]
+    filled = (prompt.numel() + torch.arange(length, device=ends.device)).clamp(max=LOOKUP_WINDOW)
+    paths = chain_paths(width, drafts.device)
+    return lookup_features(windows, filled, drafts.to(torch.int64), paths)
 
 
 def save_traces(traces: Traces, path: str | Path) -> Path:

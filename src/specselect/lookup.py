@@ -1,0 +1,119 @@
+"""Prompt-lookup agreement: does a draft token continue an n-gram the way the context did?
+
+Text repeats itself (code most of all: names, call patterns, whole lines), and where it does,
+the target tends to continue a repeated n-gram as it continued it before. Prompt-lookup
+decoding drafts from that alone. Here it is a *feature* of each draft token, for a learned
+acceptance estimator (:class:`~specselect.estimators.RequestHistory`): take the token's own
+context (the committed tokens, then the draft tokens before it on its chain or tree path),
+find the longest suffix of at most :data:`MAX_NGRAM` tokens that occurs earlier in the
+committed tokens, and ask whether the token that followed its most recent occurrence is the
+draft token. On the shipped pair, draft tokens that agree are accepted far more often than
+their draft probability says, and ones that contradict a long match far less.
+
+Everything is static-shaped device code: the committed tokens are a right-aligned window of
+the last ``W`` tokens (:data:`LOOKUP_WINDOW` in the decoding loop and in replay), and every
+token is compared with every window position at once (``[B, N, MAX_NGRAM, W]`` booleans), with
+no host read, so a loop can compute the features inside a captured draft stage.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+MAX_NGRAM = 4  # the longest suffix looked up
+LOOKUP_WINDOW = 256  # committed tokens searched, the most recent ones
+LOOKUP_FEATURES = 4  # see lookup_features
+
+
+def chain_paths(width: int, device: torch.device) -> Tensor:  # -> [width, width] int64
+    """The draft path of each chain position, as :func:`lookup_features` takes it: position
+    ``j``'s path is positions ``0..j`` (``-1`` beyond), as a draft tree's
+    :attr:`~specselect.tree.TreeBuffers.paths` would give for a chain."""
+    index = torch.arange(width, device=device)
+    return torch.where(index.unsqueeze(0) <= index.unsqueeze(1), index.unsqueeze(0), -1)
+
+
+def lookup_matches(
+    window: Tensor,  # [B, W] int64 committed tokens, right-aligned
+    filled: Tensor,  # [B] int64 how many of the window's last entries are tokens
+    tokens: Tensor,  # [B, N] int64 draft tokens (chain positions or tree nodes)
+    paths: Tensor,  # [B, N, D] or [N, D] int64 each token's path, itself last, -1 padded
+) -> tuple[Tensor, Tensor]:  # length [B, N] int64, agrees [B, N] bool
+    """For each draft token: the length of the longest suffix of its context (at most
+    :data:`MAX_NGRAM`; 0 if none) found earlier in the window, and whether the window's token
+    after the most recent occurrence of that suffix is the draft token.
+
+    A token's context is the committed tokens followed by its path's tokens before itself
+    (``paths[b, n, d]`` is the index in ``tokens`` of the path's token at depth ``d + 1``; a
+    token at depth ``t`` has entries ``0..t-1``, the last one itself, then ``-1``). Occurrences
+    are searched in the committed tokens only, the follower included.
+    """
+    rows, width = window.shape
+    nodes = tokens.shape[1]
+    paths = paths.expand(rows, nodes, paths.shape[-1])  # [B, N, D]
+    depth = (paths >= 0).sum(dim=2)  # [B, N], >= 1
+    path_tokens = tokens.gather(1, paths.clamp(min=0).view(rows, -1)).view(paths.shape)
+    suffix = _suffixes(window, filled, path_tokens, depth)  # [B, N, M], -2 where none
+    # shifted[b, i, q] = window[b, q - i - 1]: the token i + 1 before follower position q.
+    start = width - filled  # [B] first filled column
+    columns = torch.arange(width, device=window.device)
+    distance = torch.arange(1, MAX_NGRAM + 1, device=window.device)  # [M]
+    source = columns.unsqueeze(0) - distance.unsqueeze(1)  # [M, W]
+    readable = source.unsqueeze(0) >= start.view(rows, 1, 1)  # [B, M, W]
+    shifted = window.gather(1, source.clamp(min=0).view(1, -1).expand(rows, -1))
+    shifted = torch.where(readable, shifted.view(rows, MAX_NGRAM, width), -1)  # [B, M, W]
+    equal = shifted.unsqueeze(1) == suffix.unsqueeze(3)  # [B, N, M, W]
+    matches = equal.to(torch.int8).cumprod(dim=2).bool()  # suffix of length m + 1 matches at q
+    found = matches.any(dim=3)  # [B, N, M]
+    length = found.sum(dim=2)  # longest match (a longer match implies every shorter one)
+    latest = (matches * (columns + 1)).amax(dim=3) - 1  # [B, N, M] most recent follower, -1
+    follower = latest.gather(2, (length - 1).clamp(min=0).unsqueeze(2)).squeeze(2)  # [B, N]
+    followed_by = window.gather(1, follower.clamp(min=0))  # [B, N]
+    return length, (length > 0) & (followed_by == tokens)
+
+
+def lookup_features(
+    window: Tensor, filled: Tensor, tokens: Tensor, paths: Tensor
+) -> Tensor:  # -> [B, N, LOOKUP_FEATURES] float32
+    """``[agrees, contradicts, agrees · length / M, length / M]`` per draft token (see
+    :func:`lookup_matches` for the arguments; ``M`` = :data:`MAX_NGRAM`): a match that agrees,
+    one that names another token, and how long the match is, with and without agreement (a
+    long match that agrees is stronger evidence than a one-token one)."""
+    length, agrees = lookup_matches(window, filled, tokens, paths)
+    scaled = length.to(torch.float32) / MAX_NGRAM
+    agree = agrees.to(torch.float32)
+    contradicts = (length > 0).to(torch.float32) - agree
+    return torch.stack([agree, contradicts, agree * scaled, scaled], dim=2)
+
+
+def _suffixes(
+    window: Tensor, filled: Tensor, path_tokens: Tensor, depth: Tensor
+) -> Tensor:  # -> [B, N, M] int64
+    """``[b, n, i]``: the token ``i + 1`` before token ``n`` in its context (its path's earlier
+    tokens, then the window's last ones), ``-2`` where the context is shorter (``-2`` never
+    equals a token nor the ``-1`` of an unreadable window entry)."""
+    rows, width = window.shape
+    distance = torch.arange(1, MAX_NGRAM + 1, device=window.device)  # [M]
+    # Depth along the path of the token i + 1 before: <= 0 means in the window.
+    at = depth.unsqueeze(2) - distance  # [B, N, M]
+    on_path = path_tokens.gather(2, (at - 1).clamp(min=0))  # [B, N, M]
+    column = width + at - 1  # window column when at <= 0
+    in_window = window.gather(1, column.clamp(0, width - 1).view(rows, -1)).view(at.shape)
+    readable = column >= (width - filled).view(rows, 1, 1)
+    return torch.where(at > 0, on_path, torch.where(readable, in_window, -2))
+
+
+def push_tokens(
+    window: Tensor,  # [B, W] int64
+    filled: Tensor,  # [B] int64
+    tokens: Tensor,  # [B, T] int64
+    counts: Tensor,  # [B] int64, the first counts[b] of tokens[b] are appended
+) -> None:
+    """Append each row's first ``counts`` tokens to its window, in place: the oldest drop out
+    on the left. Static shapes: one gather over ``[B, W + T]``."""
+    width, appended = window.shape[1], tokens.shape[1]
+    joined = torch.cat([window, tokens], dim=1)  # [B, W + T]
+    source = torch.arange(width, device=window.device).unsqueeze(0) + counts.unsqueeze(1)
+    window.copy_(joined.gather(1, source.clamp(max=width + appended - 1)))
+    filled.add_(counts).clamp_(max=width)
