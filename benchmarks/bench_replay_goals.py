@@ -33,7 +33,8 @@ applies (:func:`specselect.replay.reuse_traces`): recorded from this pair's mode
 prompts, with this ``--max-new-tokens`` and at least this window.
 
 ``--ops`` counts the operations one ``select`` + ``update`` dispatches (views excluded) at
-``B = 256``, ``K = 8`` and times it on one CPU thread, for the paper's TETRIS and the default.
+``B = 256``, ``K = 8`` and times it on one CPU thread, for the paper's TETRIS and the default,
+and the same for computing the lookup features the default reads.
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specselect import FixedWindowSelector, TetrisSelector
 from specselect.estimators.synthetic import CALIBRATIONS, synthetic_traces
+from specselect.lookup import LOOKUP_WINDOW, chain_paths, lookup_features
 from specselect.models import TINY_PAIR_DIR, load_pair, load_prompts
 from specselect.replay import (
     OracleSelector,
@@ -217,26 +220,40 @@ class _CountOps(TorchDispatchMode):
 
 
 def op_counts(batch: int = 256, width: int = 8, repeats: int = 200) -> None:
-    """Operations and CPU time of one ``select`` + ``update`` (k = 4, extra = 4)."""
-    print(f"\n| selector | ops per select + update (B={batch}, K={width}) | CPU µs (1 thread) |")
+    """Operations and CPU time of one ``select`` + ``update`` (k = 4, extra = 4), given the
+    lookup features as the loop gives them, and of computing those features (the loop's
+    draft stage does, for a selector that reads them)."""
+    print(f"\n| step | ops (B={batch}, K={width}) | CPU µs (1 thread) |")
     print("|---|---|---|")
     g = torch.Generator().manual_seed(0)
     logprobs = torch.rand(batch, width, generator=g).log()  # [B, K]
     runs = torch.randint(0, width + 1, (batch,), generator=g)  # [B]
+    window = torch.randint(0, 100, (batch, LOOKUP_WINDOW), generator=g)  # [B, W] some repeats
+    filled = torch.full((batch,), LOOKUP_WINDOW)  # [B]
+    tokens = torch.randint(0, 100, (batch, width), generator=g)  # [B, K]
+    paths = chain_paths(width, torch.device("cpu"))  # [K, K]
+
+    def lookup() -> Tensor:  # [B, K, F]
+        return lookup_features(window, filled, tokens, paths)
+
+    features = lookup()
+    steps: dict[str, Callable[[], object]] = {"lookup features": lookup}
     for name in ("paper", "default"):
         selector = VARIANTS[name](width // 2, width - width // 2)
 
         def step(selector: Selector = selector) -> None:
-            selection = selector.select(logprobs)
+            selection = selector.select(logprobs, features=features)
             selector.update(selection, torch.minimum(selection.lengths, runs))
 
+        steps[f"{name}: select + update"] = step
+    for name, run in steps.items():
         for _ in range(5):
-            step()
+            run()
         with _CountOps() as counter:
-            step()
+            run()
         start = time.perf_counter()
         for _ in range(repeats):
-            step()
+            run()
         micros = (time.perf_counter() - start) / repeats * 1e6
         print(f"| {name} | {sum(counter.ops.values())} | {micros:.0f} |")
 

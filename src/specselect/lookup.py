@@ -64,12 +64,17 @@ def lookup_matches(
     shifted = window.gather(1, source.clamp(min=0).view(1, -1).expand(rows, -1))
     shifted = torch.where(readable, shifted.view(rows, MAX_NGRAM, width), -1)  # [B, M, W]
     equal = shifted.unsqueeze(1) == suffix.unsqueeze(3)  # [B, N, M, W]
-    matches = equal.to(torch.int8).cumprod(dim=2).bool()  # suffix of length m + 1 matches at q
-    found = matches.any(dim=3)  # [B, N, M]
-    length = found.sum(dim=2)  # longest match (a longer match implies every shorter one)
-    latest = (matches * (columns + 1)).amax(dim=3) - 1  # [B, N, M] most recent follower, -1
-    follower = latest.gather(2, (length - 1).clamp(min=0).unsqueeze(2)).squeeze(2)  # [B, N]
-    followed_by = window.gather(1, follower.clamp(min=0))  # [B, N]
+    # At each follower position q, the length of the longest suffix that occurs there: the
+    # count of leading distances that match (boolean ands, no cumulative product).
+    run = equal[:, :, 0]  # [B, N, W]
+    matched = run.to(torch.int32)
+    for i in range(1, MAX_NGRAM):
+        run = run & equal[:, :, i]
+        matched += run
+    # The longest match wins, then the most recent: one max over length * W + q.
+    best = (matched * width + columns).amax(dim=2)  # [B, N]
+    length, follower = best // width, best % width
+    followed_by = window.gather(1, follower)  # [B, N]
     return length, (length > 0) & (followed_by == tokens)
 
 
