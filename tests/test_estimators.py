@@ -658,6 +658,25 @@ def test_bad_features_get_a_clear_error(features, error: type[Exception], match:
         estimator.learn(logprobs, tested, tested, None, features)
 
 
+def test_a_selector_passes_the_features_to_its_estimator() -> None:
+    """Through a selector's select and update (not the estimator's own calls): the default
+    TETRIS learns the weight of a feature that predicts acceptance, and its scores follow it."""
+    selector = TetrisSelector(3, 2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        logprobs, features = feature_batch(gen)
+        accepted = torch.rand(ROWS, WIDTH, generator=gen) < feature_truth(features)
+        runs = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+        selection = selector.select(logprobs, features=features)
+        selector.update(selection, torch.minimum(selection.lengths, runs))
+    learned = selector.estimator.learned  # type: ignore[union-attr]
+    assert learned._feature_state[0, 0] > 1.0  # the predictive feature's weight
+    logprobs, features = feature_batch(gen)
+    selector.select(logprobs, features=features)
+    scores = selector.last_scores.flatten()
+    assert rank_auc(scores, feature_truth(features).flatten() > 0.5) > 0.9
+
+
 def test_features_reach_only_estimators_that_read_them() -> None:
     """An estimator written before features existed (two arguments) still works under a
     selector given features, and so does the paper's TETRIS (no estimator)."""
