@@ -623,6 +623,19 @@ def test_history_feature_terms_match_their_definition() -> None:
     torch.testing.assert_close(estimator._feature_state[2:], sums * 0.99 + step)
 
 
+@pytest.mark.parametrize("name", ["calibrated", "history", "choice"])
+def test_reset_forgets_everything_learned(name: str) -> None:
+    """After reset an estimator estimates as a new one, its feature weights and moments
+    included (the loop resets its selector at every call)."""
+    estimator, fresh = make_estimator(name), make_estimator(name)
+    assert estimator is not None and fresh is not None
+    feature_stream(estimator, steps=5)
+    estimator.reset()
+    logprobs, features = feature_batch(torch.Generator().manual_seed(9))
+    expected = fresh.estimate(logprobs, None, features)
+    torch.testing.assert_close(estimator.estimate(logprobs, None, features), expected)
+
+
 @pytest.mark.parametrize(
     ("features", "error", "match"),
     [
@@ -643,6 +656,25 @@ def test_bad_features_get_a_clear_error(features, error: type[Exception], match:
     tested = torch.ones(ROWS, WIDTH, dtype=torch.bool)
     with pytest.raises(error, match=match):
         estimator.learn(logprobs, tested, tested, None, features)
+
+
+def test_a_selector_passes_the_features_to_its_estimator() -> None:
+    """Through a selector's select and update (not the estimator's own calls): the default
+    TETRIS learns the weight of a feature that predicts acceptance, and its scores follow it."""
+    selector = TetrisSelector(3, 2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        logprobs, features = feature_batch(gen)
+        accepted = torch.rand(ROWS, WIDTH, generator=gen) < feature_truth(features)
+        runs = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+        selection = selector.select(logprobs, features=features)
+        selector.update(selection, torch.minimum(selection.lengths, runs))
+    learned = selector.estimator.learned  # type: ignore[union-attr]
+    assert learned._feature_state[0, 0] > 1.0  # the predictive feature's weight
+    logprobs, features = feature_batch(gen)
+    selector.select(logprobs, features=features)
+    scores = selector.last_scores.flatten()
+    assert rank_auc(scores, feature_truth(features).flatten() > 0.5) > 0.9
 
 
 def test_features_reach_only_estimators_that_read_them() -> None:
@@ -902,12 +934,14 @@ def test_synthetic_traces_reject_bad_arguments(kwargs: dict, match: str) -> None
 
 def learned_tensors(selector: TetrisSelector) -> list[torch.Tensor]:
     """The default TETRIS's learned state: guard histograms and count, choice statistics,
-    calibration."""
+    calibration, the lookup features' weights and moments."""
     choice = selector.estimator
     guard = selector.guard
     assert isinstance(choice, RankingChoice) and guard is not None
-    calibration = choice.learned.calibration  # type: ignore[attr-defined]
-    return [guard._histograms, guard._tested, choice._stats, calibration._counts]
+    history = choice.learned
+    assert isinstance(history, RequestHistory)
+    state = [guard._histograms, guard._tested, choice._stats, history.calibration._counts]
+    return [*state, history._feature_state]
 
 
 READS = pytest.mark.parametrize(
@@ -950,7 +984,7 @@ def test_a_reading_before_the_first_step_binds_no_state(read: Callable) -> None:
     selector = TetrisSelector(2, 1)
     read(selector, "cpu")
     default_tetris_steps(selector, 1, torch.Generator().manual_seed(0), "meta")
-    assert [tensor.device.type for tensor in learned_tensors(selector)] == ["meta"] * 4
+    assert [tensor.device.type for tensor in learned_tensors(selector)] == ["meta"] * 5
 
 
 def default_tetris_steps(
@@ -965,7 +999,10 @@ def default_tetris_steps(
     ids = torch.tensor(requests, device=device)
     for _ in range(steps):
         logprobs = -torch.rand(3, 3, generator=gen)
-        selection = selector.select(logprobs.to(device), request_ids=ids)
+        features = (torch.rand(3, 3, 4, generator=gen) < 0.3).float()  # as the loop gives them
+        selection = selector.select(
+            logprobs.to(device), request_ids=ids, features=features.to(device)
+        )
         selector.update(selection, selection.lengths.clamp(max=1))
         lengths.append(selection.lengths.tolist() if device != "meta" else [])
     return lengths
@@ -984,7 +1021,7 @@ def test_a_moved_selector_keeps_its_learned_state_in_shape() -> None:
         moved = selector.capture_key
         default_tetris_steps(selector, 2, gen, "meta")
     assert moved != key and selector.capture_key == moved
-    assert [tensor.device.type for tensor in learned_tensors(selector)] == ["meta"] * 4
+    assert [tensor.device.type for tensor in learned_tensors(selector)] == ["meta"] * 5
     assert [tensor.shape for tensor in learned_tensors(selector)] == shapes
 
 

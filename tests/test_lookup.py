@@ -122,7 +122,8 @@ def test_trace_features_are_each_positions_context() -> None:
 @pytest.mark.parametrize("calibration", CALIBRATIONS)
 def test_synthetic_traces_hide_the_outcomes_from_the_lookup(calibration: str) -> None:
     """Synthetic text is random: hardly any match, so the lookup features cannot tell which
-    tokens pass (the old traces, token 0 everywhere, spelled the outcome out)."""
+    tokens pass (the old traces, token 0 everywhere, spelled the outcome out; prompts of one
+    repeated token matched every request's first draft token, 1/128 of the tokens here)."""
     traces = synthetic_traces(calibration, requests=16, length=32, width=4)
     matched = traces.lookup_features[..., 3] > 0
-    assert float(matched.float().mean()) < 0.01
+    assert float(matched.float().mean()) < 0.004

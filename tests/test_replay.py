@@ -33,6 +33,7 @@ from specselect.replay import (
     compare_replay,
     end_of_row_logprobs,
     iter_replay,
+    left_pad,
     load_traces,
     match_runs,
     record_traces,
@@ -855,7 +856,6 @@ def _generate_in_batches(
 ) -> list[tuple[list[int], list[int]]]:
     """``speculative_generate`` over the traces' prompts in static batches of ``slots`` (the
     traces' conventions); returns each call's output and stats."""
-    from specselect.replay import left_pad
 
     generate = _speculative_generate()
     assert generate is not None
@@ -903,11 +903,17 @@ def test_replay_equals_live(tiny_pair: tuple, model_traces: Traces, name: str, s
 
 class FeatureSpy(TetrisSelector):
     """The default TETRIS, recording each step's lookup features of the active rows'
-    selectable tokens (row-major)."""
+    selectable tokens (row-major). It selects eagerly between the stages (no capture key: its
+    recording reads the features on the host), so in graph mode the features come from the
+    captured draft stage, and the window from the captured verify stage."""
 
-    def __init__(self) -> None:
-        super().__init__(2, 2)
+    def __init__(self, k: int = 2, extra: int = 2) -> None:
+        super().__init__(k, extra)
         self.seen: list[Tensor] = []
+
+    @property
+    def capture_key(self) -> None:
+        return None
 
     def select(self, draft_logprobs, active=None, *, parents=None, request_ids=None, features=None):
         assert features is not None  # the default estimator reads them
@@ -935,13 +941,115 @@ def test_the_loop_computes_the_lookup_features_replay_reads(
         pair = build_tiny_pair(positions=LOOKUP_WINDOW + 64)
         prompts = random_prompts(64, (LOOKUP_WINDOW + 30, 5, LOOKUP_WINDOW + 4), seed=2)
         traces = record_traces(*pair, prompts, max_new_tokens=12, max_k=4, batch_size=3)
-    live, replayed = FeatureSpy(), FeatureSpy()
+    live = FeatureSpy()
     _generate_in_batches(pair, traces, live, slots=3)
-    replay(traces, replayed, slots=3, refill=False)
+    assert_replayed_features(traces, live, slots=3)
+    assert sum(int(f[:, 0].sum()) for f in live.seen) > 0  # some token agreed with a match
+
+
+def assert_replayed_features(traces: Traces, live: FeatureSpy, slots: int) -> None:
+    """``live`` saw, step by step, the features replay gives a spy like it."""
+    replayed = FeatureSpy(live.k, live.extra)
+    replay(traces, replayed, slots=slots, refill=False)
     assert len(live.seen) == len(replayed.seen)
     for step, (seen, expected) in enumerate(zip(live.seen, replayed.seen, strict=True)):
         assert torch.equal(seen, expected), step
-    assert sum(int(f[:, 0].sum()) for f in live.seen) > 0  # some token agreed with a match
+
+
+@pytest.mark.skipif(_speculative_generate() is None, reason="specselect.hf is not available")
+def test_graph_mode_computes_the_lookup_features_replay_reads(
+    tiny_pair: tuple, model_traces: Traces
+) -> None:
+    """In graph mode (emulated), through one kept workspace: buckets padded beyond the batch
+    (3 rows in 4 slots) and shrinking, a workspace allocated without the window (fixed SD
+    reads no features) replaced for a selector that reads them, and a draft stage captured for
+    fixed SD at the width the next selector drafts, which must not replay for it without the
+    features (they would be the last ones computed at that shape)."""
+    from specselect.hf import emulate_on_cpu, release_workspace, speculative_generate
+
+    target, draft = tiny_pair
+    traces = model_traces.subset([0, 1, 2])
+    ids, mask = left_pad(traces.prompt_ids)
+    options = {"max_new_tokens": traces.max_new_tokens, "do_sample": False, "eos_token_id": []}
+    live = FeatureSpy(2, 2)  # drafts 4 tokens, like FixedWindowSelector(4)
+    release_workspace(target)
+    try:
+        with emulate_on_cpu():
+            for selector in (
+                FixedWindowSelector(4),
+                FeatureSpy(2, 1),
+                FixedWindowSelector(4),
+                live,
+            ):
+                out = speculative_generate(
+                    target, draft, ids, mask, selector=selector, cuda_graphs=True, **options
+                )
+                assert out.stats.mode == "trace"
+                assert torch.equal(out.sequences[:, ids.shape[1] :], traces.output_ids)
+    finally:
+        release_workspace(target)
+    assert_replayed_features(traces, live, slots=3)
+
+
+@pytest.mark.skipif(_speculative_generate() is None, reason="specselect.hf is not available")
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_the_loop_looks_up_in_each_rows_committed_tokens(
+    monkeypatch: pytest.MonkeyPatch, tree: bool, sample: bool
+) -> None:
+    """Where replay cannot follow (draft trees, sampling, EOS mid-run): at every draft stage
+    each active slot's window holds its row's prompt (left padding and holes in the mask
+    left out) and output so far, and its features are the direct search's along each token's
+    chain or tree path."""
+    from specselect.hf import TreeSpec, speculative_generate
+    from specselect.hf.steps import Step
+    from specselect.lookup import LOOKUP_FEATURES, LOOKUP_WINDOW
+    from test_generate_greedy import case
+    from test_lookup import direct_match
+
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    ids, mask = ids[:5], mask[:5].clone()
+    mask[0, -3] = 0  # a hole: the model does not see that token
+    seen = []
+    lookup = Step._lookup
+
+    def spy(step: Step, tokens: Tensor, paths: Tensor) -> None:
+        state, size = step.state, step.state.size
+        lookup(step, tokens, paths)
+        features = step._io("features", (size, tokens.shape[1], LOOKUP_FEATURES), torch.float32)
+        parts = (state.window, state.filled, state.generated, state.rows, state.active)
+        paths = paths.expand(size, *paths.shape[-2:])
+        seen.append([part[:size].clone() for part in (*parts, tokens, paths, features)])
+
+    monkeypatch.setattr(Step, "_lookup", spy)
+    sampling = {"do_sample": True, "generator": torch.Generator().manual_seed(0)}
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=TetrisSelector(3, 2),
+        tree=TreeSpec(3, 2, 2) if tree else None,
+        eos_token_id=eos,
+        max_new_tokens=16,
+        **(sampling if sample else {"do_sample": False}),
+    )
+    assert sample or min(out.stats.generated.tolist()) < 16  # a row stopped at EOS
+    checked = 0
+    for window, filled, generated, rows, active, tokens, paths, features in seen:
+        for slot in active.nonzero().flatten().tolist():
+            row, new = int(rows[slot]), int(generated[slot])
+            output = out.sequences[row, ids.shape[1] : ids.shape[1] + new]
+            context = (ids[row][mask[row].bool()].tolist() + output.tolist())[-LOOKUP_WINDOW:]
+            assert int(filled[slot]) == len(context)
+            assert window[slot, LOOKUP_WINDOW - len(context) :].tolist() == context
+            for node in range(tokens.shape[1]):
+                path = [int(tokens[slot, i]) for i in paths[slot, node].tolist() if i >= 0]
+                length, agrees = direct_match(context, path[:-1], path[-1])
+                assert features[slot, node, 3].item() == length / 4
+                assert features[slot, node, 0].item() == agrees
+                checked += 1
+    assert checked > 100
 
 
 @pytest.mark.skipif(_speculative_generate() is None, reason="specselect.hf is not available")

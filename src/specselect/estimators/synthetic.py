@@ -54,6 +54,7 @@ CALIBRATIONS = ("calibrated", "over-confident", "under-confident", "uninformativ
 
 UNDER = 6.0  # the exponent of the miscalibrated half of the requests (module doc)
 SYNTHETIC_VOCAB = 32000  # token ids of the synthetic text
+SYNTHETIC_PROMPT = 4  # prompt tokens of each synthetic request
 
 
 def _powers(acceptance: Tensor, generator: torch.Generator) -> Tensor:
@@ -133,15 +134,16 @@ def synthetic_traces(
     acceptance = torch.sigmoid(mean + offsets + noise)  # [N, T + K]
     agree = torch.rand(n, total, generator=g) < acceptance  # [N, T + K]
     q = reported_probability(acceptance, calibration, g)  # [N, T + K]
-    # Random text, drawn last (the numbers above do not depend on it): the tokens carry the
-    # agreement and nothing else, so a feature of the context (prompt lookup) finds no
-    # structure to learn from, where tokens 0 and 1 would spell out the outcomes.
+    # Random text, prompts included, drawn last (the numbers above do not depend on it): the
+    # tokens carry the agreement and nothing else, so a feature of the context (prompt lookup)
+    # finds no structure to learn from, where tokens 0 and 1 would spell out the outcomes (and
+    # a prompt of one repeated token, a match at every request's first draft token).
     text = torch.randint(1, SYNTHETIC_VOCAB, (n, total), generator=g)  # [N, T + K]
+    prompts = torch.randint(1, SYNTHETIC_VOCAB, (n, SYNTHETIC_PROMPT), generator=g)  # [N, P]
     drafted = torch.where(agree, text, text % (SYNTHETIC_VOCAB - 1) + 1)  # != text if not agree
     # Window t covers positions t .. t + K - 1.
     draft_tokens = drafted.unfold(1, width, 1)[:, :length].contiguous()  # [N, T, K]
     logprobs = q.log().unfold(1, width, 1)[:, :length].contiguous()  # [N, T, K]
-    prompts = [torch.zeros(4, dtype=torch.int64) for _ in range(n)]
     meta = {
         "synthetic": {
             "calibration": calibration,
@@ -151,4 +153,4 @@ def synthetic_traces(
             "seed": seed,
         }
     }
-    return Traces(prompts, text[:, :length].contiguous(), draft_tokens, logprobs, meta)
+    return Traces(list(prompts), text[:, :length].contiguous(), draft_tokens, logprobs, meta)

@@ -288,11 +288,15 @@ class GenerationState:
 
     def start_window(self, ids: Tensor, mask: Tensor) -> None:
         """Each slot's recent tokens from its left-padded prompt (``[size, P]`` ids and 0/1
-        mask; the last token included), when the layout keeps them."""
+        mask; the last token included), when the layout keeps them: the tokens the mask
+        keeps, in order (a mask may also leave out tokens between the prompt's first and
+        last, which the models do not see either)."""
         if not self.layout.lookup:
             return
         size, width = ids.shape[0], LOOKUP_WINDOW
-        tail = ids[:, -width:].to(self.device, torch.int64)  # [size, <= W]
+        # A stable sort of the 0/1 mask puts the kept columns last, in their order.
+        kept = mask.to(torch.int64).argsort(dim=1, stable=True)  # [size, P]
+        tail = ids.gather(1, kept)[:, -width:].to(self.device, torch.int64)  # [size, <= W]
         self.window[:size].zero_()
         self.window[:size, width - tail.shape[1] :] = tail
         self.filled[:size] = mask.to(self.device).sum(dim=1).clamp(max=width)
