@@ -641,7 +641,7 @@ def test_reset_forgets_everything_learned(name: str) -> None:
     [
         (torch.zeros(ROWS, WIDTH), ValueError, "features must have rank 3"),
         (torch.zeros(ROWS, WIDTH + 1, 4), ValueError, r"\[B, K\] = \[32, 6\]"),
-        (torch.zeros(ROWS, WIDTH, 4, dtype=torch.int64), ValueError, "floating-point"),
+        (torch.zeros(ROWS, WIDTH, 4, dtype=torch.int64), TypeError, "floating-point"),
         (torch.full((ROWS, WIDTH, 4), math.nan), ValueError, "features must be finite"),
         (torch.zeros(ROWS, WIDTH, 3), ValueError, "reads 4 features per token"),
     ],

@@ -127,3 +127,10 @@ def test_synthetic_traces_hide_the_outcomes_from_the_lookup(calibration: str) ->
     traces = synthetic_traces(calibration, requests=16, length=32, width=4)
     matched = traces.lookup_features[..., 3] > 0
     assert float(matched.float().mean()) < 0.004
+
+
+def test_an_empty_batch_has_no_features() -> None:
+    """Zero rows (traces of no output, a loop with nothing left) is a shape, not an error."""
+    window, filled = torch.zeros(0, 8, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    tokens = torch.zeros(0, 3, dtype=torch.int64)
+    assert lookup_features(window, filled, tokens, chain_paths(3, CPU)).shape == (0, 3, 4)

@@ -53,7 +53,8 @@ def lookup_matches(
     nodes = tokens.shape[1]
     paths = paths.expand(rows, nodes, paths.shape[-1])  # [B, N, D]
     depth = (paths >= 0).sum(dim=2)  # [B, N], >= 1
-    path_tokens = tokens.gather(1, paths.clamp(min=0).view(rows, -1)).view(paths.shape)
+    path_tokens = tokens.gather(1, paths.clamp(min=0).reshape(rows, nodes * paths.shape[2]))
+    path_tokens = path_tokens.view(paths.shape)  # [B, N, D]
     suffix = _suffixes(window, filled, path_tokens, depth)  # [B, N, M], -2 where none
     # shifted[b, i, q] = window[b, q - i - 1]: the token i + 1 before follower position q.
     start = width - filled  # [B] first filled column
@@ -104,7 +105,8 @@ def _suffixes(
     at = depth.unsqueeze(2) - distance  # [B, N, M]
     on_path = path_tokens.gather(2, (at - 1).clamp(min=0))  # [B, N, M]
     column = width + at - 1  # window column when at <= 0
-    in_window = window.gather(1, column.clamp(0, width - 1).view(rows, -1)).view(at.shape)
+    in_window = window.gather(1, column.clamp(0, width - 1).reshape(rows, at.shape[1] * MAX_NGRAM))
+    in_window = in_window.view(at.shape)  # [B, N, M]
     readable = column >= (width - filled).view(rows, 1, 1)
     return torch.where(at > 0, on_path, torch.where(readable, in_window, -2))
 

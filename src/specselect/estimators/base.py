@@ -61,7 +61,8 @@ class AcceptanceEstimator(abc.ABC):
     estimator that reads them says so with :attr:`uses_features`, the others ignore them.
 
     An estimator implements :meth:`estimate` and, if it learns, :meth:`_learn`, which
-    :meth:`learn` calls once the arguments are checked.
+    :meth:`learn` calls once the arguments are checked (``features`` included, ``None`` when
+    there are none).
     """
 
     name: str = "estimator"
@@ -226,12 +227,13 @@ def check_features(features: object, draft_logprobs: Tensor) -> Tensor:
     """``features`` as a ``[B, K, F]`` floating tensor on ``draft_logprobs``'s device, ``B, K``
     its shape, or a clear error."""
     checked = check_tensor("features", features, rank=3)
+    if not checked.is_floating_point():
+        raise TypeError(f"features must be a floating-point tensor, got {checked.dtype}")
     rows, width = draft_logprobs.shape
-    if tuple(checked.shape[:2]) != (rows, width) or not checked.is_floating_point():
+    if tuple(checked.shape[:2]) != (rows, width):
         raise ValueError(
-            f"features must be a floating-point [B, K, F] tensor with [B, K] = "
-            f"{[rows, width]} (draft_logprobs' shape), got {checked.dtype} of shape "
-            f"{list(checked.shape)}"
+            f"features must be a [B, K, F] tensor with [B, K] = {[rows, width]} "
+            f"(draft_logprobs' shape), got shape {list(checked.shape)}"
         )
     if checked.device != draft_logprobs.device:
         raise ValueError(
