@@ -113,8 +113,8 @@ class RequestHistory(AcceptanceEstimator):
         self._weights: Tensor | None = None
         self._batch: Tensor | None = None
         self._decays: Tensor | None = None
-        # Feature state: [3, F] weights, AdaGrad's sums of squared gradients, and [3, F] decayed
-        # sums of 1, x and x^2 (the running moments).
+        # Feature state, [5, F]: the feature weights, AdaGrad's sums of squared gradients, and
+        # decayed sums of 1, x and x^2 over the selectable tokens (the running moments).
         self._feature_state: Tensor | None = None
         # Per-slot state, one set per batch size met (see _state), and the current batch's.
         self._slots: dict[int, _Slots] = {}
