@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from specselect.constants import cached_constant
+
 MAX_NGRAM = 4  # the longest suffix looked up
 LOOKUP_WINDOW = 256  # committed tokens searched, the most recent ones
 LOOKUP_FEATURES = 4  # see lookup_features
@@ -58,9 +60,8 @@ def lookup_matches(
     suffix = _suffixes(window, filled, path_tokens, depth)  # [B, N, M], -2 where none
     # shifted[b, i, q] = window[b, q - i - 1]: the token i + 1 before follower position q.
     start = width - filled  # [B] first filled column
-    columns = torch.arange(width, device=window.device)
-    distance = torch.arange(1, MAX_NGRAM + 1, device=window.device)  # [M]
-    source = columns.unsqueeze(0) - distance.unsqueeze(1)  # [M, W]
+    columns = cached_constant(("lookup_columns", width, window.device), _columns)  # [W]
+    source = cached_constant(("lookup_sources", width, window.device), _sources)  # [M, W]
     readable = source.unsqueeze(0) >= start.view(rows, 1, 1)  # [B, M, W]
     shifted = window.gather(1, source.clamp(min=0).view(1, -1).expand(rows, -1))
     shifted = torch.where(readable, shifted.view(rows, MAX_NGRAM, width), -1)  # [B, M, W]
@@ -93,6 +94,19 @@ def lookup_features(
     return torch.stack([agree, contradicts, agree * scaled, scaled], dim=2)
 
 
+def _columns(width: int, device: torch.device) -> Tensor:  # -> [W] int64
+    return torch.arange(width, device=device)
+
+
+def _distances(device: torch.device) -> Tensor:  # -> [M] int64
+    return torch.arange(1, MAX_NGRAM + 1, device=device)
+
+
+def _sources(width: int, device: torch.device) -> Tensor:  # -> [M, W] int64
+    """``[i, q]``: the window column ``i + 1`` before follower column ``q`` (negative: none)."""
+    return _columns(width, device).unsqueeze(0) - _distances(device).unsqueeze(1)
+
+
 def _suffixes(
     window: Tensor, filled: Tensor, path_tokens: Tensor, depth: Tensor
 ) -> Tensor:  # -> [B, N, M] int64
@@ -100,7 +114,7 @@ def _suffixes(
     tokens, then the window's last ones), ``-2`` where the context is shorter (``-2`` never
     equals a token nor the ``-1`` of an unreadable window entry)."""
     rows, width = window.shape
-    distance = torch.arange(1, MAX_NGRAM + 1, device=window.device)  # [M]
+    distance = cached_constant(("lookup_distances", window.device), _distances)  # [M]
     # Depth along the path of the token i + 1 before: <= 0 means in the window.
     at = depth.unsqueeze(2) - distance  # [B, N, M]
     on_path = path_tokens.gather(2, (at - 1).clamp(min=0))  # [B, N, M]

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int
+from specselect.constants import cached_constant
 from specselect.hf.draft import ChainDrafter, DraftChain, SamplingParams
 from specselect.hf.graphs import StageRunner
 from specselect.hf.state import ACCEPTED, DEEPEST, VERIFIED, GenerationState, PhaseClock
@@ -341,7 +342,7 @@ class ChainStep(Step):
             self._draft_probs(size, k, chain.probs).copy_(chain.probs)
         scores = self._mask_unemittable(chain.tokens, _selection_scores(chain))
         self._io("scores", (size, k), torch.float32).copy_(scores)
-        self._lookup(chain.tokens, chain_paths(k, state.device))
+        self._lookup(chain.tokens, cached_constant(("chain_paths", k, state.device), chain_paths))
 
     def select(self, plan: Plan) -> None:
         state = self.state
