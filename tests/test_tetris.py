@@ -752,9 +752,14 @@ def test_a_probe_verifies_what_it_drafted(tree: bool) -> None:
     pay (the paper's ranking of 0.6-probability tokens under steep costs, which never changes),
     or a probe would teach nothing. Probes come every ``probe_every`` steps that verified
     nothing, also while the planner drafts but the budget verifies nothing."""
-    depths, verified = probe_run(goodput_tetris(COST_SHAPES["steep"], k=2, extra=3), 15, tree)
-    assert depths[:5] == [0, 0, 0, 0, 1]
-    assert verified == [0, 0, 0, 0, 4] * 3
+    depths, verified = probe_run(goodput_tetris(COST_SHAPES["steep"], k=2, extra=3), 30, tree)
+    assert depths[:5] == [0, 0, 0, 0, 1] and verified[4] == 4
+    idle = 0
+    for depth, count in zip(depths, verified, strict=True):
+        if idle >= 4:  # a probe: it drafts, and verifies everything it drafted
+            assert depth >= 1 and count == 4 * depth
+        idle = 0 if count else idle + 1
+    assert verified.count(0) < 25  # probes came again after the first
 
 
 def test_a_probe_is_one_selection() -> None:
@@ -805,18 +810,18 @@ def test_probes_let_the_default_estimator_learn_a_good_draft() -> None:
     assert depths[-1] == 5 and verified[-5:] == [20] * 5
 
 
-def brute_force_depth(rates: list[float], active: int, max_depth: int, costs) -> int:
-    """The K (smallest on ties) whose best C gives the best goodput, when every row accepts
-    depth j with probability prod(rates[:j])."""
-    survival = list(itertools.accumulate(rates, lambda p, r: p * r))
+def brute_force_depth(
+    accept: list[float], verify: list[float], width: float, active: int, costs
+) -> int:
+    """The K (smallest on ties) with the best goodput when each of ``active`` rows accepts
+    depth j with probability prod(accept[:j]) and has ``width`` tokens verified at depth j with
+    probability prod(verify[:j]), straight from the objective, one K at a time."""
     best, best_k = -math.inf, 0
-    for depth in range(max_depth + 1):  # 0: a plain step, no draft pass
-        candidates = sorted(survival[:depth] * active, reverse=True)
+    for depth in range(len(accept) + 1):  # 0: a plain step, no draft pass
+        accepted = sum(math.prod(accept[:j]) for j in range(1, depth + 1)) * active
+        tested = sum(math.prod(verify[:j]) for j in range(1, depth + 1)) * active * width
         drafting = costs.draft_time(active, depth) if depth else 0.0
-        value = max(
-            (sum(candidates[:c]) + active) / (drafting + costs.verify_time(active, c + active))
-            for c in range(len(candidates) + 1)
-        )
+        value = (accepted + active) / (drafting + costs.verify_time(active, round(tested) + active))
         if value > best * (1 + 1e-12):
             best, best_k = value, depth
     return best_k
@@ -824,36 +829,68 @@ def brute_force_depth(rates: list[float], active: int, max_depth: int, costs) ->
 
 @pytest.mark.parametrize("shape", sorted(COST_SHAPES))
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.7, 1.0])
+@pytest.mark.parametrize("verified", [0.5, 1.0])
 @pytest.mark.parametrize("active", [1, 5])
-def test_goodput_depth_matches_brute_force(shape: str, fraction: float, active: int) -> None:
+def test_goodput_depth_matches_brute_force(
+    shape: str, fraction: float, verified: float, active: int
+) -> None:
     selector = goodput_tetris(COST_SHAPES[shape], k=2, extra=3)
-    feed(selector, 10, active, fraction)
+    for _ in range(10):  # rows verify a fraction of the window and accept a fraction of that
+        window = selector.draft_length(active)
+        tested = round(window * verified)
+        selector.observe([tested] * active, [round(tested * fraction)] * active)
     planner = selector._planner
-    rates = planner.acceptance().tolist()  # the model's estimates
-    assert planner.best_depth(active) == brute_force_depth(rates, active, 5, COST_SHAPES[shape])
+    model = planner.acceptance().tolist(), planner.verification().tolist(), planner.width()
+    assert planner.best_depth(active) == brute_force_depth(*model, active, COST_SHAPES[shape])
 
 
-def test_goodput_acceptance_model_by_hand() -> None:
-    """Depth rates are pooled over rows: a row that verified 3 and accepted 1 tested depths 1
-    and 2 and passed depth 1; untested depths shrink to the depth above."""
+def test_goodput_depth_model_by_hand() -> None:
+    """Depth rates are pooled over the rows that drafted the depth: a row that accepted 1 of
+    a 3-deep draft reached depths 1 and 2 and passed depth 1, whatever the budget verified of
+    it, and one that verified nothing reached depth 1 and failed it; untried depths shrink to
+    the depth above (prior 0.7 for acceptance, 1 for verification, strength 2)."""
     planner = goodput_tetris(COST_SHAPES["flat"], k=2, extra=1)._planner
-    planner.observe([3, 3, 0], [1, 3, 0], [3, 3, 0])
-    # depth 1: 2 passed of 2 tested; depth 2: 1 of 2; depth 3: 1 of 1 (prior 0.7, strength 2)
-    first = (2 + 2 * 0.7) / (2 + 2)
+    assert planner.depth(3) == 3  # the draft these outcomes come from
+    planner.observe([3, 1, 0], [1, 1, 0], [3, 1, 0])
+    # accepted: depth 1 passed by 2 of 3 reached; depth 2: 0 of 2; depth 3: none reached
+    first = (2 + 2 * 0.7) / (3 + 2)
+    second = (0 + 2 * first) / (2 + 2)
+    assert planner.acceptance().tolist() == pytest.approx([first, second, second])
+    # verified: depth 1 by 2 of 3 rows; depth 2 by 1 of 2 open to it; depth 3 by 1 of 1
+    first = (2 + 2 * 1.0) / (3 + 2)
     second = (1 + 2 * first) / (2 + 2)
     third = (1 + 2 * second) / (1 + 2)
-    assert planner.acceptance().tolist() == pytest.approx([first, second, third])
+    assert planner.verification().tolist() == pytest.approx([first, second, third])
+    assert planner.width() == 1.0
 
 
-def test_goodput_acceptance_model_reads_trees_per_depth() -> None:
-    """A tree row that verified 5 nodes down to depth 2 and accepted 2 tested depths 1 and 2
-    only: its other nodes were siblings, so depth 3 was never tested (it is no failure)."""
+def test_goodput_depth_model_counts_what_the_budget_left_out() -> None:
+    """The bias the model avoids: when the budget verifies depth 2 on one row of two and the
+    target accepts everything verified, depth 2 yielded one token per two rows that drafted
+    it. A model of the verified tokens alone would value it at one per row."""
+    planner = goodput_tetris(COST_SHAPES["flat"], k=1, extra=1)._planner
+    for _ in range(200):
+        planner.depth(2)  # (whatever it chooses: row 0 verified 2, so 2 were drafted)
+        planner.observe([2, 1], [2, 1], [2, 1])
+    # Steady state of the decayed counts: 2 rows per step / (1 - 0.8) = 10 reached depth 1
+    # and 2, 10 passed (and verified) depth 1, 5 depth 2; shrunk by 2 pseudo-observations.
+    first = (10 + 2 * 0.7) / (10 + 2)
+    assert planner.acceptance().tolist() == pytest.approx([first, (5 + 2 * first) / 12])
+    first = (10 + 2 * 1.0) / (10 + 2)
+    assert planner.verification().tolist() == pytest.approx([first, (5 + 2 * first) / 12])
+
+
+def test_goodput_depth_model_reads_trees_per_depth() -> None:
+    """A tree row that verified 5 nodes down to depth 2 of a 3-deep draft and accepted 2
+    reached depth 3 and failed it (it yielded nothing); its width is 5 nodes per 2 depths."""
     planner = goodput_tetris(COST_SHAPES["flat"], k=2, extra=1)._planner
     planner.observe([5, 4], [2, 0], deepest=[2, 3])
-    # depth 1: 1 passed of 2 tested; depth 2: 1 of 1; depth 3: untested
+    # depth 1: 1 passed of 2 reached; depth 2: 1 of 1; depth 3: 0 of 1
     first = (1 + 2 * 0.7) / (2 + 2)
     second = (1 + 2 * first) / (1 + 2)
-    assert planner.acceptance().tolist() == pytest.approx([first, second, second])
+    third = (0 + 2 * second) / (1 + 2)
+    assert planner.acceptance().tolist() == pytest.approx([first, second, third])
+    assert planner.width() == pytest.approx(9 / 5)
 
 
 @pytest.mark.parametrize(

@@ -21,9 +21,15 @@ pass over the ``C`` selected tokens and one bonus token per row. It has two halv
   a row per possible ``a``), and the table depends only on host ints (rows, width) and the
   cost model, so it is built on the host once and cached on the device.
 * **How deep to draft** (:meth:`GoodputPlanner.depth`, on the host, before the next step): the
-  same objective, maximised over ``K`` in ``[0, max_depth]`` as well, under a model of the
-  acceptance probability of each depth fitted to the per-row outcomes the decoding loop
-  already reads back (:meth:`~specselect.selection.Selector.observe`): no sync of its own.
+  same objective, maximised over ``K`` in ``[0, max_depth]``, under a model of what each depth
+  has yielded *under this budget*: per depth, the tokens accepted and verified per row that
+  drafted it, fitted to the per-row outcomes the decoding loop already reads back
+  (:meth:`~specselect.selection.Selector.observe`): no sync of its own. A drafted token the
+  budget left out counts as not accepted. Modelling only the verified tokens would be biased:
+  they are the best-scored ones, so their pass rate overstates what a deeper draft is worth
+  when the budget verifies a few of its tokens (replaying the shipped pair with the default
+  estimator on a CPU's costs, that bias drafted 1.5 to 1.7 passes deep on average where this
+  model drafts 0.9, and lost goodput to DSD where this model gains).
   ``K = 0`` is a plain decoding step: when the expected acceptance does not pay for even one
   draft pass (a drain down to requests the draft never agrees with, or a draft pass that costs
   as much as it saves), drafting nothing is the best step, as DSD's window of 0 is.
@@ -230,14 +236,19 @@ class GoodputPlanner:
         decay: per-step factor on the observed counts, so that the model follows the batch.
         probe_every: after this many steps in a row that verified nothing, probe (see below).
 
-    The acceptance model behind :meth:`depth`: the probability that depth ``j`` is accepted
-    given depth ``j - 1`` was, pooled over the rows and the recent steps (a Kaplan-Meier
-    estimate with decayed counts). Pooled, because a fixed draft depth serves every row: the
-    expected accepted tokens of ``K`` passes are ``a * sum_{j<=K} S(j)`` with ``S`` the
-    pooled survival, whatever the rows' differences. Per depth, because acceptance is not
-    geometric: a token that follows accepted ones is accepted more often (replaying the shipped
-    pair, about 0.45 at depth 1 and 0.8 after). A depth that has not been tested shrinks to the
-    one above it, so a depth the planner stopped drafting is valued like the deepest tested.
+    The model behind :meth:`depth`, pooled over the rows and the recent steps (Kaplan-Meier
+    estimates with decayed counts), over the steps that drafted depth ``j``: the probability
+    that depth ``j`` is accepted given depth ``j - 1`` was (a drafted token the budget left
+    out counting as not accepted), and that it is verified given depth ``j - 1`` was. So ``K``
+    passes are modelled by what the budget made of them, not by what verifying everything
+    drafted would give: ``a * sum_{j<=K} S(j)`` accepted tokens and about
+    ``width * a * sum_{j<=K} V(j)`` verified, with ``S`` and ``V`` the two survivals and
+    ``width`` the verified nodes per verified depth (1 for chains). Pooled, because a fixed
+    draft depth serves every row, whatever the rows' differences. Per depth, because
+    acceptance is not geometric: a token that follows accepted ones is accepted more often
+    (replaying the shipped pair, about 0.45 at depth 1 and 0.8 after). A depth that has not
+    been drafted lately shrinks to the one above it, so a depth the planner stopped drafting is
+    valued like the deepest drafted.
 
     ``K = 0`` (a plain step) tests nothing, and neither does a step whose budget verifies none
     of what was drafted (scores that undervalue the draft), so the planner *probes*: once
@@ -275,8 +286,15 @@ class GoodputPlanner:
 
     def reset(self) -> None:
         """Forget the observed outcomes (a new generation)."""
-        self._tested = np.zeros(self.max_depth)  # [max_depth] decayed rows that tested depth j
-        self._passed = np.zeros(self.max_depth)  # [max_depth] ... and passed it
+        depths = self.max_depth
+        # Decayed row counts per depth j = 1..max_depth, over the steps that drafted depth j:
+        self._reached = np.zeros(depths)  # rows whose depth j - 1 was accepted
+        self._passed = np.zeros(depths)  # ... and depth j too
+        self._opened = np.zeros(depths)  # rows whose depth j - 1 was verified
+        self._verified = np.zeros(depths)  # ... and depth j too
+        # Decayed verified nodes and deepest depths: a tree verifies several nodes per depth.
+        self._nodes = self._deepest = 0.0
+        self._drafted = depths  # the draft depth of the step being observed
         self._idle = 0  # steps in a row that verified nothing
         self._probing = False  # whether the last depth() was a probe
 
@@ -287,29 +305,41 @@ class GoodputPlanner:
         """One step's outcomes, per active row (checked host ints; see ``Selector.observe``).
 
         A row that accepted ``x`` draft tokens and verified down to depth ``d`` (``deepest``;
-        a chain's verified count) tested depths ``1..min(x + 1, d)`` and
-        passed ``1..x``. For a draft tree that is the tree's survival: depth ``x + 1`` failed
-        whether the accepted path had a selected child or ended in a leaf of the selection.
+        a chain's verified count) in a step that drafted ``K`` deep reached depths
+        ``1..min(x + 1, K)`` and passed ``1..x``; it had depths ``1..min(d + 1, K)`` open to
+        verification and verified ``1..d``. A reached depth the budget did not verify counts
+        as not passed: what a draft pass is worth is what the budget makes of it, and the
+        pass rate of the verified tokens alone (the best-scored ones) would overvalue the
+        depths the budget mostly leaves out. For a draft tree these are the tree's depths:
+        depth ``x + 1`` failed whether the accepted path had a selected child or not.
         """
         v = np.asarray(verified, dtype=np.int64).reshape(-1)
         x = np.asarray(accepted, dtype=np.int64).reshape(-1)
         d = np.asarray(deepest, dtype=np.int64).reshape(-1)
-        self._tested *= self.decay
-        self._passed *= self.decay
-        self._tested += _reaching(np.minimum(x + 1, d), self.max_depth)
+        drafted = max(self._drafted, int(d.max(initial=0)))
+        for counts in (self._reached, self._passed, self._opened, self._verified):
+            counts *= self.decay
+        self._reached += _reaching(np.minimum(x + 1, drafted), self.max_depth)
         self._passed += _reaching(x, self.max_depth)
+        self._opened += _reaching(np.minimum(d + 1, drafted), self.max_depth)
+        self._verified += _reaching(d, self.max_depth)
+        self._nodes = self.decay * self._nodes + float(v.sum())
+        self._deepest = self.decay * self._deepest + float(d.sum())
         self._idle = 0 if v.any() else self._idle + 1
 
     def acceptance(self) -> np.ndarray:
-        """``[max_depth]`` float64: estimated P(depth ``j`` accepted | depth ``j - 1`` was)."""
-        rates = np.empty(self.max_depth)
-        previous = self.prior
-        for j in range(self.max_depth):
-            previous = (self._passed[j] + self.strength * previous) / (
-                self._tested[j] + self.strength
-            )
-            rates[j] = previous
-        return rates
+        """``[max_depth]`` float64: estimated P(depth ``j`` accepted | depth ``j - 1`` was),
+        a depth that the budget left unverified counting as not accepted."""
+        return _chained(self._passed, self._reached, self.prior, self.strength)
+
+    def verification(self) -> np.ndarray:
+        """``[max_depth]`` float64: estimated P(depth ``j`` verified | depth ``j - 1`` was);
+        before any evidence, 1 (the budget verifies what is drafted)."""
+        return _chained(self._verified, self._opened, 1.0, self.strength)
+
+    def width(self) -> float:
+        """Verified nodes per verified depth: 1 for chains, a tree's mean width."""
+        return self._nodes / self._deepest if self._deepest > 0 else 1.0
 
     def depth(self, active: int) -> int:
         """The draft depth for ``active`` rows: :meth:`best_depth`; on a probe (once
@@ -318,35 +348,42 @@ class GoodputPlanner:
         best = self.best_depth(active)
         self._probing = self._idle >= self.probe_every
         if self._probing and not best:  # unless no acceptance could make drafting pay
-            self._probing = self.best_depth(active, np.ones(self.max_depth)) > 0
-        return max(best, 1) if self._probing else best
+            certain = np.ones(self.max_depth)
+            self._probing = self.best_depth(active, certain, certain, 1.0) > 0
+        self._drafted = max(best, 1) if self._probing else best
+        return self._drafted
 
-    def best_depth(self, active: int, acceptance: np.ndarray | None = None) -> int:
+    def best_depth(
+        self,
+        active: int,
+        acceptance: np.ndarray | None = None,
+        verification: np.ndarray | None = None,
+        width: float | None = None,
+    ) -> int:
         """The draft depth ``K`` in ``[0, max_depth]`` with the best modelled goodput for
-        ``active`` rows (the smallest on ties), each ``K`` with its best ``C``; 0 with no
-        active row.
+        ``active`` rows (the smallest on ties); 0 with no active row.
 
-        Host arithmetic on the cached times and the acceptance model (or the given
-        ``[max_depth]`` rates): no device value. The candidates of ``K`` are every row's
-        depths ``1..K``; the survival never increases with depth, so they are the first
-        ``active * K`` of the deepest draft's candidates, best first, and one cumulative sum
-        serves every ``K``. ``K = 0`` (no draft pass, ``C = 0``) is a plain decoding step.
+        Host arithmetic on the cached times and the model (or the given ``[max_depth]``
+        rates and width): no device value. ``K`` passes accept ``a * sum_{j<=K} S(j)``
+        tokens and verify ``width * a * sum_{j<=K} V(j)`` (rounded), with ``S`` and ``V``
+        the survivals of :meth:`acceptance` and :meth:`verification`: the outcomes of the
+        budget as it has been choosing, not of a budget that verifies everything drafted.
+        ``K = 0`` (no draft pass) is a plain decoding step.
         """
         active = check_int("active", active)
         if active == 0:
             return 0
-        depths = self.max_depth
-        rates = self.acceptance() if acceptance is None else acceptance
-        survival = np.cumprod(rates)  # [D] P(depth j accepted)
-        candidates = np.repeat(survival, active)  # [a * D] best first
-        expected = np.concatenate([[0.0], np.cumsum(candidates)])  # [a * D + 1] E(C)
-        verify = self.times.verify(active, active * (depths + 1))[active:]  # [a * D + 1]
-        draft = self.times.draft(active, depths)[:, None]  # [D + 1, 1] K = 0..D
-        goodput = (expected + active) / (draft + verify)  # [D + 1, a * D + 1]
-        counts = np.arange(active * depths + 1)  # [a * D + 1] C
-        too_many = counts > active * np.arange(depths + 1)[:, None]  # [D + 1, a * D + 1]
-        best = np.where(too_many, -INF, goodput).max(axis=1)  # [D + 1] each K at its best C
-        return int(np.argmax(best))  # the first maximum: the smallest K
+        accept = self.acceptance() if acceptance is None else acceptance
+        verify = self.verification() if verification is None else verification
+        width = self.width() if width is None else width
+        expected = active * np.concatenate([[0.0], np.cumsum(np.cumprod(accept))])  # [D + 1]
+        tested = width * active * np.concatenate([[0.0], np.cumsum(np.cumprod(verify))])
+        tokens = np.rint(tested).astype(np.int64) + active  # [D + 1] the pass, bonus included
+        seconds = (
+            self.times.draft(active, self.max_depth)
+            + self.times.verify(active, int(tokens[-1]))[tokens]
+        )  # [D + 1]
+        return int(np.argmax((expected + active) / seconds))  # the first maximum: smallest K
 
     # ------------------------------------------------------------------ device: the budget
     def select(self, costs: Tensor, active: Tensor | None, passes: Tensor | int) -> Tensor:
@@ -356,6 +393,8 @@ class GoodputPlanner:
         if rows * width == 0:
             return torch.zeros(costs.shape, dtype=torch.bool, device=costs.device)
         probing, self._probing = self._probing, False  # this step's: never a later select's
+        if isinstance(passes, int):  # a chain's depth as drafted (the loop may draft less)
+            self._drafted = passes
         if probing:  # a host flag: the goodput budget runs eagerly, never captured
             return drafted_mask(costs, active)
         verify, draft = self._device_tables(rows, width, costs.device)
@@ -382,6 +421,17 @@ def drafted_mask(costs: Tensor, active: Tensor | None) -> Tensor:  # [B, W] -> [
     ancestors, since an entry after an unavailable one costs ``+inf`` too."""
     available = costs < INF  # [B, W]
     return available if active is None else available & active.unsqueeze(1)
+
+
+def _chained(passed: np.ndarray, tried: np.ndarray, prior: float, strength: float) -> np.ndarray:
+    """``[D]``: per depth, ``passed / tried`` shrunk to the depth above (to ``prior`` for the
+    first) with ``strength`` pseudo-observations: a Kaplan-Meier estimate whose untried depths
+    take the rate of the deepest tried one."""
+    rates = np.empty(len(passed))
+    previous = prior
+    for j in range(len(passed)):
+        previous = rates[j] = (passed[j] + strength * previous) / (tried[j] + strength)
+    return rates
 
 
 def _reaching(depths: np.ndarray, max_depth: int) -> np.ndarray:
