@@ -839,7 +839,7 @@ def test_goodput_depth_matches_brute_force(
         window = selector.draft_length(active)
         tested = round(window * verified)
         selector.observe([tested] * active, [round(tested * fraction)] * active)
-    planner = selector._planner
+    planner = selector.planner
     model = planner.acceptance().tolist(), planner.verification().tolist(), planner.width()
     assert planner.best_depth(active) == brute_force_depth(*model, active, COST_SHAPES[shape])
 
@@ -849,7 +849,7 @@ def test_goodput_depth_model_by_hand() -> None:
     a 3-deep draft reached depths 1 and 2 and passed depth 1, whatever the budget verified of
     it, and one that verified nothing reached depth 1 and failed it; untried depths shrink to
     the depth above (prior 0.7 for acceptance, 1 for verification, strength 2)."""
-    planner = goodput_tetris(COST_SHAPES["flat"], k=2, extra=1)._planner
+    planner = goodput_tetris(COST_SHAPES["flat"], k=2, extra=1).planner
     assert planner.depth(3) == 3  # the draft these outcomes come from
     planner.observe([3, 1, 0], [1, 1, 0], [3, 1, 0])
     # accepted: depth 1 passed by 2 of 3 reached; depth 2: 0 of 2; depth 3: none reached
@@ -868,7 +868,7 @@ def test_goodput_depth_model_counts_what_the_budget_left_out() -> None:
     """The bias the model avoids: when the budget verifies depth 2 on one row of two and the
     target accepts everything verified, depth 2 yielded one token per two rows that drafted
     it. A model of the verified tokens alone would value it at one per row."""
-    planner = goodput_tetris(COST_SHAPES["flat"], k=1, extra=1)._planner
+    planner = goodput_tetris(COST_SHAPES["flat"], k=1, extra=1).planner
     for _ in range(200):
         planner.depth(2)  # (whatever it chooses: row 0 verified 2, so 2 were drafted)
         planner.observe([2, 1], [2, 1], [2, 1])
@@ -883,7 +883,7 @@ def test_goodput_depth_model_counts_what_the_budget_left_out() -> None:
 def test_goodput_depth_model_reads_trees_per_depth() -> None:
     """A tree row that verified 5 nodes down to depth 2 of a 3-deep draft and accepted 2
     reached depth 3 and failed it (it yielded nothing); its width is 5 nodes per 2 depths."""
-    planner = goodput_tetris(COST_SHAPES["flat"], k=2, extra=1)._planner
+    planner = goodput_tetris(COST_SHAPES["flat"], k=2, extra=1).planner
     planner.observe([5, 4], [2, 0], deepest=[2, 3])
     # depth 1: 1 passed of 2 reached; depth 2: 1 of 1; depth 3: 0 of 1
     first = (1 + 2 * 0.7) / (2 + 2)

@@ -128,6 +128,13 @@ class TetrisSelector(Selector):
         if self._planner is not None:
             self._planner.reset()
 
+    @property
+    def planner(self) -> GoodputPlanner | None:
+        """The goodput budget's planner, whose model of each depth (its ``acceptance``,
+        ``verification`` and ``width``) says why a depth was chosen; ``None`` for the other
+        budgets."""
+        return self._planner
+
     def draft_length(self, num_active: int) -> int:
         """``k + extra``, or the budget when smaller; with the goodput budget, the depth in
         ``[0, k + extra]`` with the best modelled goodput for ``num_active`` rows, from the
