@@ -23,8 +23,11 @@ distilled from it (KL), both trained here in a few minutes (``--train-minutes``,
 ``--distill-minutes``) or loaded from ``--cache-dir``. For each batch size, on held-out prompts
 (greedy, ``--max-new-tokens``): tokens/s of HF eager ``generate``, graph-mode plain decoding,
 HF assisted generation (batch 1), and ``speculative_generate`` with every registered selector
-(chains) and one tree shape, eager and graph mode; tokens per step, VSR, rows identical to
-``generate``.
+(chains), one tree shape and TETRIS with the goodput budget, eager and graph mode; tokens per
+step, VSR, rows identical to ``generate``. The goodput budget plans with a cost model of the
+pair measured first in each mode (``CostModel.measure``: the run's batch sizes, widths 1..8),
+printed, and written beside ``--output`` as ``<output>-cost-eager.json`` and
+``-cost-graph.json``. Its graph row against fixed SD's is the budget's wall-clock check.
 
 Part **s** — selection alone: µs per ``select`` + ``update`` at ``K = 8`` drafted tokens per row,
 for fixed k=3, paper and default TETRIS, eager and replayed from a CUDA graph (captured after a
@@ -73,6 +76,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from specselect import TreeSpec, make_selector
 from specselect._checks import trusted_values
+from specselect.cost import CostModel
 from specselect.hf import emulate_on_cpu, release_workspace, speculative_generate
 from specselect.hf.graphs import StageRunner
 from specselect.selectors import SELECTORS
@@ -614,9 +618,12 @@ def end_to_end(
     draft: PreTrainedModel,
     ids: Tensor,
     args: argparse.Namespace,
+    costs: dict[bool, CostModel],
 ) -> tuple[list[Run], bool]:
     """Part b at one batch size (prompts without padding, no EOS: every row runs to the end),
-    and whether ``--time-limit`` cut it short."""
+    and whether ``--time-limit`` cut it short. ``costs``: the cost model of each mode (graphs
+    or not) measured on this pair, which goodput-TETRIS plans with; a mode without one has no
+    goodput-TETRIS row."""
     device, batch, new = ids.device, ids.shape[0], args.max_new_tokens
     mask = torch.ones_like(ids)
     common = {"max_new_tokens": new, "eos_token_id": None, "pad_token_id": 0}
@@ -643,11 +650,17 @@ def end_to_end(
     configs: list[tuple[str, dict[str, Any] | None, TreeSpec | None]] = [("plain", None, None)]
     configs += [(name, {"name": name, **selector_kwargs(name, args.k)}, None) for name in SELECTORS]
     configs.append(("tetris tree(3,2,2)", {"name": "tetris", "k": args.k}, TreeSpec(3, 2, 2)))
+    goodput = {"name": "tetris", "k": args.k, "extra": 2, "budget": "goodput"}
+    configs.append((GOODPUT_LABEL, goodput, None))
     cut = False
     for (label, spec, tree), graphs in itertools.product(configs, (False, True)):
         if out_of_time(args):
             cut = True
             break
+        if label == GOODPUT_LABEL:  # planned with this mode's measured costs
+            if graphs not in costs:
+                continue
+            spec = {**goodput, "cost_model": costs[graphs]}
         selector = None if spec is None else make_selector(**spec)
         seconds, out = timed(
             lambda s=selector, t=tree, g=graphs: speculative_generate(
@@ -673,9 +686,76 @@ def end_to_end(
     return runs, cut
 
 
+#: Part b's row of TETRIS with the goodput budget (k + extra = k + 2 deep at most).
+GOODPUT_LABEL = "tetris goodput"
+
+
+def pair_costs(
+    target: PreTrainedModel, draft: PreTrainedModel, args: argparse.Namespace
+) -> Iterator[tuple[bool, CostModel | str]]:
+    """Per mode (graphs: False, True), the pair's cost model measured here with
+    :meth:`CostModel.measure` (the batch sizes of the run, widths 1..8, the context halfway
+    through a call), or why it could not be: what goodput-TETRIS plans with, so that its row
+    plans with the costs of the mode it runs in. A failed measurement is its mode's message,
+    not the end of the run."""
+    batches = sorted(set(args.batch_sizes))
+    if len(batches) < 2:  # the fit separates a per-row cost from the fixed one
+        batches.append(2 * batches[0])
+    context = args.prompt + args.max_new_tokens // 2
+    for graphs in (False, True):
+        try:
+            yield (
+                graphs,
+                CostModel.measure(
+                    target,
+                    draft,
+                    batch_sizes=batches,
+                    widths=(1, 2, 4, 8),
+                    contexts=(context,),
+                    cuda_graphs=graphs,
+                    repeats=3,
+                    warmup=1,
+                    progress=False,
+                    note=f"bench_gpu.py part b pair, {'graphs' if graphs else 'eager'}",
+                ),
+            )
+        except (RuntimeError, ValueError) as error:
+            yield graphs, f"{type(error).__name__}: {error}"
+
+
+def cost_rows(graphs: bool, model: CostModel | str, args: argparse.Namespace) -> Iterator[str]:
+    """A measured cost model's rows (its times at the run's batch sizes, and where its file
+    went: beside ``--output``), or why there is none."""
+    mode = "graph" if graphs else "eager"
+    if isinstance(model, str):
+        yield f"| {mode} | | | | | not measured: {model} |"
+        return
+    where = ""
+    if args.output:
+        where = str(
+            model.save(Path(args.output).with_name(f"{Path(args.output).stem}-cost-{mode}.json"))
+        )
+    for batch in args.batch_sizes:
+        yield (
+            f"| {mode} | {batch} | {1e3 * model.draft_time(batch, 1):.2f} "
+            f"| {1e3 * model.verify_time(batch, batch):.2f} "
+            f"| {1e3 * model.verify_time(batch, 8 * batch):.2f} | {where} |"
+        )
+
+
 def part_b(args: argparse.Namespace, device: torch.device) -> Iterator[str]:
     target, draft, _, held = trained_pair(args, device)
     target, draft = target.to(args.dtype), draft.to(args.dtype)
+    yield f"Cost models of the pair, measured here ({GOODPUT_LABEL} plans with its mode's):"
+    yield ""
+    yield "| mode | B | draft pass ms | verify ms, 1 token per row | 8 tokens per row | file |"
+    yield "|---|---:|---:|---:|---:|---|"
+    costs: dict[bool, CostModel] = {}
+    for graphs, model in pair_costs(target, draft, args):
+        yield from cost_rows(graphs, model, args)
+        if isinstance(model, CostModel):
+            costs[graphs] = model
+    yield ""
     yield "| B | method | s | tok/s | vs generate | vs graph plain | tok/step | VSR | identical |"
     yield "|---:|---|---:|---:|---:|---:|---:|---:|---:|"
     with torch.no_grad():
@@ -684,7 +764,7 @@ def part_b(args: argparse.Namespace, device: torch.device) -> Iterator[str]:
                 yield time_limit_note(args, f"batch sizes from {batch} on")
                 return
             ids = held_out_prompts(held, batch, args.prompt, seed=batch).to(device)
-            runs, cut = end_to_end(target, draft, ids, args)
+            runs, cut = end_to_end(target, draft, ids, args, costs)
             base = runs[0].tokens / runs[0].seconds
             plain = next((r for r in runs if r.method == "plain (graph)"), None)
             for run in runs:

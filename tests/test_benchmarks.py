@@ -248,3 +248,37 @@ def test_gpu_benchmark_reuses_its_trained_pair_without_tokenizing_again(
     monkeypatch.setattr(gpu, "token_stream", no_tokenizing)
     *_, again = gpu.trained_pair(args, device)
     assert torch.equal(again, held)
+
+
+def test_gpu_benchmark_measures_the_goodput_budgets_cost_models(
+    bench: Callable[[str], ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Part b's goodput-TETRIS plans with a cost model of the pair measured in each mode: a
+    mode whose measurement fails is a row saying why (the run goes on without that mode's
+    goodput row); a measured one is saved beside --output, and its rows say where."""
+    from specselect.cost import default_cost_model
+
+    gpu = bench("bench_gpu")
+    out = tmp_path / "b.md"
+    args = gpu.parse_args(
+        ["--smoke", "--device", "cpu", "--batch-sizes", "8", "--output", str(out)]
+    )
+    asked: list[dict[str, object]] = []
+
+    def measure(target: object, draft: object, **kwargs: object) -> object:
+        asked.append(kwargs)
+        if not kwargs["cuda_graphs"]:
+            raise ValueError("the timings fit a free verification pass")
+        return default_cost_model()
+
+    monkeypatch.setattr(gpu.CostModel, "measure", measure)
+    costs = dict(gpu.pair_costs(None, None, args))
+    assert [a["batch_sizes"] for a in asked] == [[8, 16], [8, 16]]  # two sizes at least
+    assert costs[False] == "ValueError: the timings fit a free verification pass"
+    rows = [*gpu.cost_rows(False, costs[False], args), *gpu.cost_rows(True, costs[True], args)]
+    assert rows[0] == "| eager | | | | | not measured: ValueError: the timings fit a free " + (
+        "verification pass |"
+    )
+    saved = tmp_path / "b-cost-graph.json"
+    assert rows[1].startswith("| graph | 8 | ") and rows[1].endswith(f"| {saved} |")
+    assert gpu.CostModel.load(saved).verify_time(8, 8) == costs[True].verify_time(8, 8)
