@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
@@ -819,9 +820,13 @@ def brute_force_depth(
     best, best_k = -math.inf, 0
     for depth in range(len(accept) + 1):  # 0: a plain step, no draft pass
         accepted = sum(math.prod(accept[:j]) for j in range(1, depth + 1)) * active
-        tested = sum(math.prod(verify[:j]) for j in range(1, depth + 1)) * active * width
+        tokens = sum(math.prod(verify[:j]) for j in range(1, depth + 1)) * active * width + active
+        low, share = math.floor(tokens), tokens - math.floor(tokens)  # a fractional count
+        verifying = (1 - share) * costs.verify_time(active, low) + share * costs.verify_time(
+            active, low + 1
+        )
         drafting = costs.draft_time(active, depth) if depth else 0.0
-        value = (accepted + active) / (drafting + costs.verify_time(active, round(tested) + active))
+        value = (accepted + active) / (drafting + verifying)
         if value > best * (1 + 1e-12):
             best, best_k = value, depth
     return best_k
@@ -830,15 +835,17 @@ def brute_force_depth(
 @pytest.mark.parametrize("shape", sorted(COST_SHAPES))
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.7, 1.0])
 @pytest.mark.parametrize("verified", [0.5, 1.0])
+@pytest.mark.parametrize("width", [1, 3], ids=["chain", "tree"])
 @pytest.mark.parametrize("active", [1, 5])
 def test_goodput_depth_matches_brute_force(
-    shape: str, fraction: float, verified: float, active: int
+    shape: str, fraction: float, verified: float, width: int, active: int
 ) -> None:
     selector = goodput_tetris(COST_SHAPES[shape], k=2, extra=3)
     for _ in range(10):  # rows verify a fraction of the window and accept a fraction of that
         window = selector.draft_length(active)
-        tested = round(window * verified)
-        selector.observe([tested] * active, [round(tested * fraction)] * active)
+        deepest = round(window * verified)
+        nodes, accepted = deepest * width, round(deepest * fraction)
+        selector.observe([nodes] * active, [accepted] * active, [deepest] * active)
     planner = selector.planner
     model = planner.acceptance().tolist(), planner.verification().tolist(), planner.width()
     assert planner.best_depth(active) == brute_force_depth(*model, active, COST_SHAPES[shape])
@@ -862,6 +869,39 @@ def test_goodput_depth_model_by_hand() -> None:
     third = (1 + 2 * second) / (1 + 2)
     assert planner.verification().tolist() == pytest.approx([first, second, third])
     assert planner.width() == 1.0
+
+
+def test_goodput_depth_model_counts_drafted_depths_no_row_verified() -> None:
+    """A depth is reached by the rows that accepted the one above it in a step that drafted
+    it, whatever the budget verified: here no row verified depth 2 of a 3-deep draft, and the
+    row that accepted depth 1 failed depth 2. A chain drafted shallower than planned (the
+    loop cuts a draft no row could emit; select sees its width) reaches no deeper."""
+    planner = goodput_tetris(COST_SHAPES["flat"], k=2, extra=1).planner
+    assert planner.depth(2) == 3
+    planner.observe([1, 1], [1, 0], [1, 1])
+    first = (1 + 2 * 0.7) / (2 + 2)
+    second = (0 + 2 * first) / (1 + 2)
+    assert planner.acceptance().tolist() == pytest.approx([first, second, second])
+    selector = goodput_tetris(COST_SHAPES["flat"], k=2, extra=1)
+    for width, reached in ((1, [1, 0, 0]), (0, [0, 0, 0])):
+        selector.reset()
+        assert selector.draft_length(1) == 3
+        selector.select(torch.full((1, width), math.log(0.9)))
+        selector.observe([width], [width])  # accepted everything drafted, if anything
+        model = selector.planner
+        first = (reached[0] + 2 * 0.7) / (reached[0] + 2)
+        assert model.acceptance().tolist() == pytest.approx([first] * 3)
+
+
+def test_goodput_depth_weighs_what_verification_costs() -> None:
+    """At the same acceptance, the less of each depth the budget verifies, the deeper it pays
+    to draft; and a tree, whose depths verify several nodes, drafts shallower."""
+    planner = goodput_tetris(COST_SHAPES["knee"], k=2, extra=3).planner
+    accept = np.array([0.7, 0.6, 0.6, 0.6, 0.6])
+    everything = planner.best_depth(4, accept, np.ones(5), 1.0)
+    accepted_only = planner.best_depth(4, accept, accept, 1.0)
+    tree = planner.best_depth(4, accept, np.ones(5), 3.0)
+    assert accepted_only > everything > tree
 
 
 def test_goodput_depth_model_counts_what_the_budget_left_out() -> None:

@@ -29,7 +29,7 @@ pass over the ``C`` selected tokens and one bonus token per row. It has two halv
   they are the best-scored ones, so their pass rate overstates what a deeper draft is worth
   when the budget verifies a few of its tokens (replaying the shipped pair with the default
   estimator on a CPU's costs, that bias drafted 1.5 to 1.7 passes deep on average where this
-  model drafts 0.9, and lost goodput to DSD where this model gains).
+  model drafts about 1, and lost goodput to DSD where this model gains).
   ``K = 0`` is a plain decoding step: when the expected acceptance does not pay for even one
   draft pass (a drain down to requests the draft never agrees with, or a draft pass that costs
   as much as it saves), drafting nothing is the best step, as DSD's window of 0 is.
@@ -250,8 +250,9 @@ class GoodputPlanner:
     been drafted lately shrinks to the one above it, so a depth the planner stopped drafting is
     valued like the deepest drafted.
 
-    ``K = 0`` (a plain step) tests nothing, and neither does a step whose budget verifies none
-    of what was drafted (scores that undervalue the draft), so the planner *probes*: once
+    ``K = 0`` (a plain step) tests nothing, and a step whose budget verifies none of what was
+    drafted (scores that undervalue the draft) only counts the first depth as failed, which
+    takes the depth down to 0 where a draft pass costs: so the planner *probes*: once
     ``probe_every`` steps in a row verified nothing, every step drafts at least one token until
     one verifies something, unless no acceptance rate could make drafting pay (certain
     acceptance at every depth still loses to a plain step), and :meth:`select` verifies
@@ -294,7 +295,10 @@ class GoodputPlanner:
         self._verified = np.zeros(depths)  # ... and depth j too
         # Decayed verified nodes and deepest depths: a tree verifies several nodes per depth.
         self._nodes = self._deepest = 0.0
-        self._drafted = depths  # the draft depth of the step being observed
+        # The draft depth of the step being observed: a chain's as drafted (select sees it);
+        # a tree's as planned (a tree shallower than that fails its missing depths, which
+        # values them at nothing, as they are).
+        self._drafted = depths
         self._idle = 0  # steps in a row that verified nothing
         self._probing = False  # whether the last depth() was a probe
 
@@ -365,7 +369,8 @@ class GoodputPlanner:
 
         Host arithmetic on the cached times and the model (or the given ``[max_depth]``
         rates and width): no device value. ``K`` passes accept ``a * sum_{j<=K} S(j)``
-        tokens and verify ``width * a * sum_{j<=K} V(j)`` (rounded), with ``S`` and ``V``
+        tokens and verify ``width * a * sum_{j<=K} V(j)`` (a fractional count, timed
+        between its two neighbours linearly), with ``S`` and ``V``
         the survivals of :meth:`acceptance` and :meth:`verification`: the outcomes of the
         budget as it has been choosing, not of a budget that verifies everything drafted.
         ``K = 0`` (no draft pass) is a plain decoding step.
@@ -378,10 +383,12 @@ class GoodputPlanner:
         width = self.width() if width is None else width
         expected = active * np.concatenate([[0.0], np.cumsum(np.cumprod(accept))])  # [D + 1]
         tested = width * active * np.concatenate([[0.0], np.cumsum(np.cumprod(verify))])
-        tokens = np.rint(tested).astype(np.int64) + active  # [D + 1] the pass, bonus included
-        seconds = (
-            self.times.draft(active, self.max_depth)
-            + self.times.verify(active, int(tokens[-1]))[tokens]
+        tested += active  # [D + 1] the pass's tokens, bonus included
+        low = np.floor(tested).astype(np.int64)  # [D + 1]
+        verify_times = self.times.verify(active, int(low[-1]) + 1)
+        share = tested - low  # [D + 1] in [0, 1)
+        seconds = self.times.draft(active, self.max_depth) + (
+            (1 - share) * verify_times[low] + share * verify_times[low + 1]
         )  # [D + 1]
         return int(np.argmax((expected + active) / seconds))  # the first maximum: smallest K
 
@@ -390,11 +397,11 @@ class GoodputPlanner:
         """``[B, W]`` bool: :func:`goodput_mask` with this planner's cached device tables; on a
         probe step (see the class), every available entry of the active rows."""
         rows, width = costs.shape
+        if isinstance(passes, int):  # a chain's depth as drafted (the loop may draft less)
+            self._drafted = passes
         if rows * width == 0:
             return torch.zeros(costs.shape, dtype=torch.bool, device=costs.device)
         probing, self._probing = self._probing, False  # this step's: never a later select's
-        if isinstance(passes, int):  # a chain's depth as drafted (the loop may draft less)
-            self._drafted = passes
         if probing:  # a host flag: the goodput budget runs eagerly, never captured
             return drafted_mask(costs, active)
         verify, draft = self._device_tables(rows, width, costs.device)
