@@ -19,6 +19,7 @@ from specselect import (
     HeuristicSelector,
     Selection,
     Selector,
+    TetrisSelector,
     ThresholdSelector,
     make_selector,
 )
@@ -285,14 +286,15 @@ def test_dsd_between_rechoices_follows_the_number_of_active_requests() -> None:
     [
         (lambda: DSDSelector(max_k=4, cost_model=GPU_LIKE, interval=3), 3 + 1),
         (lambda: HeuristicSelector(k0=2, max_k=4), 2 + 1),
+        (lambda: TetrisSelector(2, 2, budget="goodput", cost_model=GPU_LIKE), 4 + 1),
     ],
-    ids=["dsd", "heuristic"],
+    ids=["dsd", "heuristic", "goodput-tetris"],
 )
 def test_warns_once_when_observe_is_never_called(make: Callable[[], Selector], steps: int) -> None:
-    """DSD and the heuristic learn from observe() alone: a loop that only calls update() would
-    keep their prior windows forever, so after ``steps`` unobserved steps (DSD: interval + 1;
-    the heuristic: 3) they say so, once per generation; a loop that observes every step hears
-    nothing."""
+    """DSD, the heuristic and the goodput budget learn from observe() alone: a loop that only
+    calls update() would keep their prior windows forever, so after ``steps`` unobserved steps
+    (DSD: interval + 1; the heuristic: 3; the goodput budget: 5) they say so, once per
+    generation; a loop that observes every step hears nothing."""
     selector = make()
     for observed in (False, True):
         with warnings.catch_warnings(record=True) as caught:

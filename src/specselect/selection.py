@@ -627,7 +627,8 @@ def check_active_rows(active: object, entries: int) -> list[bool]:
         raise TypeError(f"active[{i}] must be a bool, got {type(flags[i]).__name__}")
     if sum(flags) != entries:
         raise ValueError(
-            f"active must mark one row per entry of verified, got {sum(flags)} rows marked "
+            f"active must mark one row per entry of verified (verified and accepted hold the "
+            f"active rows only, e.g. lengths[active].tolist()), got {sum(flags)} rows marked "
             f"active for {entries} entries"
         )
     return flags

@@ -20,6 +20,7 @@ from specselect.estimators import (
 )
 from specselect.selection import (
     NEG_INF,
+    ObserveWatch,
     Outcomes,
     Selection,
     Selector,
@@ -38,6 +39,8 @@ from specselect.selectors.goodput import (
     drafted_mask,
 )
 from specselect.topc import cheapest_counts, cheapest_mask
+
+UNOBSERVED_STEPS = 4  # goodput budget: steps without observe() before it warns
 
 
 class TetrisSelector(Selector):
@@ -127,6 +130,9 @@ class TetrisSelector(Selector):
             self.guard.reset()
         if self._planner is not None:
             self._planner.reset()
+        # The goodput budget's depth comes from observe(): a loop written for update() alone
+        # would keep the prior's depth forever.
+        self._watch = ObserveWatch(type(self).__name__, UNOBSERVED_STEPS, "its draft depth")
 
     @property
     def planner(self) -> GoodputPlanner | None:
@@ -148,6 +154,7 @@ class TetrisSelector(Selector):
         """
         check_int("num_active", num_active)
         if self._planner is not None:
+            self._watch.planned()
             return self._planner.depth(num_active)
         return min(self.k + self.extra, self._step_budget(num_active))
 
@@ -254,6 +261,7 @@ class TetrisSelector(Selector):
     def _observe(self, outcomes: Outcomes) -> None:
         if self._planner is not None:
             self._planner.observe(outcomes.verified, outcomes.accepted, outcomes.deepest)
+            self._watch.observed()
 
     @classmethod
     def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any]:
