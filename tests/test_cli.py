@@ -1028,3 +1028,19 @@ def test_compare_live_progress_bar_counts_batches(
     compare_live(target, draft, traces, configs[:1], 2)
     assert capsys.readouterr().err == ""  # progress is off by default
     assert len(closed) == 1
+
+
+def test_a_closed_pipe_ends_the_command_quietly() -> None:
+    """``specselect compare ... | head``: when the reader goes away, the command stops with
+    status 1 and no traceback (here the command raises what a write to a closed pipe raises)."""
+    code = (
+        "import sys, specselect.cli as cli\n"
+        "def closed(args):\n"
+        "    raise BrokenPipeError(32, 'Broken pipe')\n"
+        "cli.run_compare = closed\n"
+        "sys.exit(cli.main(['compare']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert (done.returncode, done.stderr) == (1, "")

@@ -142,6 +142,11 @@ def spending(verified: int, emitted: int) -> Totals:
             "Most tokens/step within fixed SD's spend (1.800 verified per request-step): "
             "dsd k=2 extra=1 (2.700, +8.0%).",
         ),
+        (  # within the spend, but below fixed SD: not named as a win
+            [row("fixed", 2, None, spending(18, 25)), row("dsd", 2, 1, spending(12, 21))],
+            "None beats fixed SD's tokens/step within its spend (1.800 verified per "
+            "request-step); the most: dsd k=2 extra=1 (2.100, -16.0%).",
+        ),
         ([row("tetris", 2, 1, spending(10, 30))], None),  # no fixed SD: no spend to compare
     ],
 )
@@ -150,7 +155,7 @@ def test_summary_compares_spend_with_what_fixed_sd_spent(
 ) -> None:
     summary = " ".join(_summary_lines(rows))
     if expected is None:
-        assert "Most tokens/step" not in summary
+        assert "Most tokens/step" not in summary and "None beats" not in summary
     else:
         assert expected in summary
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import sys
 import tempfile
@@ -1001,6 +1002,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:  # prefixed as argparse prefixes its own: "specselect compare: error:"
         print(f"{args.prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly, as a filter does
+        # Python flushes stdout at exit and would fail again: point it at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -302,11 +302,15 @@ def _summary_lines(rows: Sequence[ResultRow]) -> list[str]:
         if frugal and base is not None:
             best = _best(frugal, "tokens_per_step")
             rel = relative_to_baseline(best[0], rows)["tokens_per_step"]
-            parts.append(
-                f"Most tokens/step within fixed SD's spend "
-                f"({base.totals.verified_per_request_step:.3f} verified per request-step): "
-                f"{_labels(best)} ({best[0].totals.tokens_per_step:.3f}, {_pct(rel) or 'n/a'})."
-            )
+            spend = f"{base.totals.verified_per_request_step:.3f} verified per request-step"
+            found = f"{_labels(best)} ({best[0].totals.tokens_per_step:.3f}, {_pct(rel) or 'n/a'})"
+            if best[0].totals.tokens_per_step > base.totals.tokens_per_step:
+                parts.append(f"Most tokens/step within fixed SD's spend ({spend}): {found}.")
+            else:  # a "best" below the baseline would read as a win
+                parts.append(
+                    f"None beats fixed SD's tokens/step within its spend ({spend}); "
+                    f"the most: {found}."
+                )
         oracle = [r for r in group if r.selector == ORACLE and r.budget is None]
         if oracle:
             top = max(oracle, key=lambda r: r.totals.tokens_per_step)
