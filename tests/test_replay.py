@@ -763,6 +763,14 @@ def test_selector_grid_builds_every_registered_selector(name: str) -> None:
             "budget grid values must be ints or 'goodput', got 'fast'",
         ),
         (["fixed"], [], [1], [], "must not be empty"),
+        (
+            ["fixed", "dsd"],
+            [2],
+            [1],
+            ["goodput"],
+            "budget 'goodput' adds the goodput budget to the selectors that have one "
+            r"\(TETRIS\), and none of 'fixed', 'dsd' has one",
+        ),
     ],
 )
 def test_selector_grid_bad_input(names, ks, extras, budgets, match) -> None:

@@ -109,7 +109,7 @@ def selector_grid(
 
     Raises:
         ValueError: unknown selector name or estimator, an estimator for a selector that takes
-            none, empty or negative grids.
+            none, empty or negative grids, a :data:`GOODPUT` budget that no selector has.
     """
     for grid_name, grid, minimum in (("k", ks, 1), ("extra", extras, 0)):
         for value in grid:
@@ -149,6 +149,11 @@ def selector_grid(
                     if kwargs is not None and key not in seen:
                         seen.add(key)
                         configs.append(SelectorConfig(name, k, key[2], budget, kwargs))
+    if GOODPUT in budgets and all(config.budget != GOODPUT for config in configs):
+        raise ValueError(
+            f"budget {GOODPUT!r} adds the goodput budget to the selectors that have one "
+            f"(TETRIS), and none of {', '.join(map(repr, names))} has one"
+        )
     return configs
 
 
