@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -385,3 +386,17 @@ def test_positions_beyond_a_learned_table_raise_before_any_work() -> None:
     assert speculative_generate(target, None, ids, mask, max_new_tokens=10, **kwargs)
     with pytest.raises(ValueError, match=r"embeds at most 16 positions .* needs 17"):
         speculative_generate(target, None, ids, mask, max_new_tokens=11, **kwargs)
+
+
+def test_a_mask_that_cannot_be_inferred_warns(models) -> None:
+    """With the pad id an EOS id, generate() cannot infer the mask and warns; so does the loop,
+    which then attends to every token, pads included. A mask, an inferable pad id or a single
+    prompt (nothing to pad) is silent."""
+    with pytest.warns(UserWarning, match="attention_mask is None and cannot be inferred"):
+        call(models, attention_mask=None, eos_token_id=0)  # the tiny models' pad id is 0
+    ids = left_padded_prompts(4, 2, 6, VOCAB, 0)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(models, eos_token_id=0)
+        call(models, attention_mask=None)
+        call(models, input_ids=ids[:1, -2:], attention_mask=None, eos_token_id=0)

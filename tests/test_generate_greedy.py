@@ -9,6 +9,7 @@ runs, partial acceptance and rejections.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 
@@ -262,14 +263,20 @@ def test_explicit_eos_none_means_no_eos_as_in_generate() -> None:
 @pytest.mark.parametrize("pad_is_eos", [False, True])
 def test_missing_mask_is_inferred_like_generate(pad_is_eos: bool) -> None:
     """Without attention_mask, generate() masks the pad tokens when the pad id is set and is not
-    an EOS id (else it attends to everything): left-padded prompts give the masked output."""
+    an EOS id (else it attends to everything, and both warn): left-padded prompts give the
+    masked output."""
     target, draft, ids, mask, _, _ = case("gpt2", 0)
     eos = [PAD_ID] if pad_is_eos else []
     kwargs = {"max_new_tokens": 12, "eos_token_id": eos, "pad_token_id": PAD_ID}
     reference = target.generate(ids, **kwargs)
     masked = target.generate(ids, attention_mask=mask, **kwargs)
     assert torch.equal(reference, masked) != pad_is_eos  # the mask really matters here
-    out = speculative_generate(target, draft, ids, selector=build_selector("tetris"), **kwargs)
+    with (
+        pytest.warns(UserWarning, match="cannot be inferred")
+        if pad_is_eos
+        else (contextlib.nullcontext())
+    ):
+        out = speculative_generate(target, draft, ids, selector=build_selector("tetris"), **kwargs)
     assert torch.equal(out.sequences, reference)
 
 

@@ -52,6 +52,7 @@ import contextlib
 import gc
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Hashable, Sized
 from dataclasses import dataclass, field
@@ -305,6 +306,14 @@ def check_prompts(
     if ids.shape[1] == 0:
         raise ValueError("input_ids has no tokens: expected shape [B, P] with P >= 1")
     inferred = attention_mask is None and mask_pad_token_id is not None
+    if attention_mask is None and mask_pad_token_id is None and ids.shape[0] > 1:
+        warnings.warn(  # as generate() warns: padded rows would attend to their pads
+            "attention_mask is None and cannot be inferred from input_ids (the pad id is unset "
+            "or an EOS id), so every token is attended, pads included: pass the tokenizer's "
+            "attention_mask",
+            UserWarning,
+            stacklevel=3,
+        )
     if attention_mask is None:
         pad = mask_pad_token_id
         mask = torch.ones_like(ids, dtype=torch.int64) if pad is None else ids.ne(pad)
