@@ -1044,3 +1044,12 @@ def test_a_closed_pipe_ends_the_command_quietly() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert (done.returncode, done.stderr) == (1, "")
+
+
+def test_an_unusable_device_is_an_error_when_replaying_traces_too(
+    compare_run: dict, tmp_path: Path
+) -> None:
+    """Replaying recorded traces loads no model, but a --device that names no usable device
+    is still the user's error, not silently ignored."""
+    code, _, stderr = _reuse(compare_run, tmp_path, "--device", "meta")
+    assert code == 2 and "--device 'meta'" in stderr and "Traceback" not in stderr
