@@ -896,7 +896,8 @@ def test_profile_on_the_shipped_pair(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--batch-sizes", "4"], "batch_sizes must hold at least 2"),
+        (["--batch-sizes", "4"], "--batch-sizes needs at least 2 distinct values, got '4'"),
+        (["--widths", "2,2"], "--widths needs at least 2 distinct values, got '2,2'"),
         (["--widths", "0,1"], "--widths values must be >= 1"),
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--cuda-graphs"], "--cuda-graphs needs a CUDA --device, got 'cpu'"),
@@ -1053,3 +1054,13 @@ def test_an_unusable_device_is_an_error_when_replaying_traces_too(
     is still the user's error, not silently ignored."""
     code, _, stderr = _reuse(compare_run, tmp_path, "--device", "meta")
     assert code == 2 and "--device 'meta'" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("command", ["compare", "profile"])
+def test_an_unknown_option_points_at_the_subcommands_help(command: str) -> None:
+    code, stdout, stderr = run_main([command, "--kk", "3"])
+    assert code == 2 and not stdout
+    assert stderr == (
+        f"specselect {command}: error: unrecognized arguments: --kk 3 "
+        f"(see specselect {command} --help)\n"
+    )

@@ -74,9 +74,9 @@ class UsageError(Exception):
 # --------------------------------------------------------------------------------------------
 
 
-def _int_list(option: str, minimum: int, names: tuple[str, ...] = ()) -> Any:
+def _int_list(option: str, minimum: int, names: tuple[str, ...] = (), at_least: int = 1) -> Any:
     """An argparse ``type`` for comma-separated ints ``>= minimum``, or any of ``names``
-    (duplicates dropped)."""
+    (duplicates dropped), at least ``at_least`` distinct ones."""
     expected = "integers" + "".join(f" or {name!r}" for name in names)
 
     def parse(text: str) -> list[int | str]:
@@ -99,6 +99,10 @@ def _int_list(option: str, minimum: int, names: tuple[str, ...] = ()) -> Any:
                 )
             if value not in values:
                 values.append(value)
+        if len(values) < at_least:
+            raise argparse.ArgumentTypeError(
+                f"{option} needs at least {at_least} distinct values, got {text!r}"
+            )
         return values
 
     return parse
@@ -392,17 +396,17 @@ def _add_profile_parser(commands: Any) -> None:
         help="model dtype (default: %(default)s)",
     )
     grids = [
-        ("--batch-sizes", "B,...", 1, DEFAULT_BATCH_SIZES, "rows per pass, at least two"),
-        ("--widths", "W,...", 1, DEFAULT_WIDTHS, "tokens per row of a verification pass "
+        ("--batch-sizes", "B,...", 1, 2, DEFAULT_BATCH_SIZES, "rows per pass, at least two"),
+        ("--widths", "W,...", 1, 2, DEFAULT_WIDTHS, "tokens per row of a verification pass "
          "(k + 1), at least two"),
-        ("--contexts", "N,...", 0, DEFAULT_CONTEXTS, "tokens already cached per row; several "
-         "add context terms"),
+        ("--contexts", "N,...", 0, 1, DEFAULT_CONTEXTS, "tokens already cached per row; "
+         "several add context terms"),
     ]  # fmt: skip
-    for option, metavar, minimum, default, text in grids:
+    for option, metavar, minimum, at_least, default, text in grids:
         profile.add_argument(
             option,
             metavar=metavar,
-            type=_int_list(option, minimum),
+            type=_int_list(option, minimum, at_least=at_least),
             default=",".join(map(str, default)),
             help=f"{text} (default: %(default)s)",
         )
@@ -991,7 +995,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (2 for user errors, without traceback)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # the subcommand's error, pointing at its help, not the top level's
+            prog = parser.prog if args.command is None else args.prog
+            parser.exit(
+                EXIT_USAGE,
+                f"{prog}: error: unrecognized arguments: {' '.join(unknown)} (see {prog} --help)\n",
+            )
     except SystemExit as exc:  # argparse already printed usage and the error on stderr
         return int(exc.code or 0)
     args.argv = list(sys.argv[1:] if argv is None else argv)
