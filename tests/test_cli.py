@@ -1047,15 +1047,6 @@ def test_a_closed_pipe_ends_the_command_quietly() -> None:
     assert (done.returncode, done.stderr) == (1, "")
 
 
-def test_an_unusable_device_is_an_error_when_replaying_traces_too(
-    compare_run: dict, tmp_path: Path
-) -> None:
-    """Replaying recorded traces loads no model, but a --device that names no usable device
-    is still the user's error, not silently ignored."""
-    code, _, stderr = _reuse(compare_run, tmp_path, "--device", "meta")
-    assert code == 2 and "--device 'meta'" in stderr and "Traceback" not in stderr
-
-
 @pytest.mark.parametrize("command", ["compare", "profile"])
 def test_an_unknown_option_points_at_the_subcommands_help(command: str) -> None:
     code, stdout, stderr = run_main([command, "--kk", "3"])

@@ -823,7 +823,6 @@ def _compare(args: argparse.Namespace) -> int:
     if args.seed is not None:
         _warn(SEED_DEPRECATED)
     check_model_args(args)
-    check_device(args.device)  # also when replaying recorded traces: a bad flag is an error
     if args.tree is not None and args.mode != "live":
         raise UsageError("--tree needs --mode live: recorded traces hold chains, not trees")
     try:
