@@ -369,10 +369,10 @@ class GoodputPlanner:
 
         Host arithmetic on the cached times and the model (or the given ``[max_depth]``
         rates and width): no device value. ``K`` passes accept ``a * sum_{j<=K} S(j)``
-        tokens and verify ``width * a * sum_{j<=K} V(j)`` (a fractional count, timed
-        between its two neighbours linearly), with ``S`` and ``V``
-        the survivals of :meth:`acceptance` and :meth:`verification`: the outcomes of the
-        budget as it has been choosing, not of a budget that verifies everything drafted.
+        tokens and verify ``width * a * sum_{j<=K} V(j)`` (a fractional count, timed between
+        its two neighbours linearly), with ``S`` and ``V`` the survivals of
+        :meth:`acceptance` and :meth:`verification`: the outcomes of the budget as it has
+        been choosing, not of a budget that verifies everything drafted.
         ``K = 0`` (no draft pass) is a plain decoding step.
         """
         active = check_int("active", active)
