@@ -24,6 +24,12 @@ selectors plan with. Cost models:
     python benchmarks/bench_goodput.py                    # shipped pair, 40 prompts, 64 tokens
     python benchmarks/bench_goodput.py --traces t.pt      # reuse (or save) recorded traces
     python benchmarks/bench_goodput.py --replicate 5      # 5x the requests: throughput-bound
+    python benchmarks/bench_goodput.py --static --slots 8 # static batches of 8 requests
+
+``--static`` replays static batches, as ``speculative_generate`` runs them: ``--slots``
+requests at a time, the next batch once the whole batch has finished (no refill). A static
+batch lasts as long as its slowest request, so the run is bound by it even more than with few
+requests and a queue.
 """
 
 from __future__ import annotations
@@ -75,10 +81,15 @@ class Cell:
 
 
 def run_grid(
-    traces: Traces, cost: CostModel, slots: int, ks: Sequence[int], extras: Sequence[int]
+    traces: Traces,
+    cost: CostModel,
+    slots: int,
+    ks: Sequence[int],
+    extras: Sequence[int],
+    refill: bool = True,
 ) -> tuple[dict[int, float], list[Cell]]:
     def goodput(selector) -> tuple[float, float]:
-        result = replay(traces, selector, slots, cost)
+        result = replay(traces, selector, slots, cost, refill=refill)
         return result.totals.goodput, float(np.mean(result.windows))
 
     fixed = {k: goodput(FixedWindowSelector(k))[0] for k in ks}
@@ -149,17 +160,27 @@ def main() -> None:
     parser.add_argument(
         "--cost-model", action="append", default=[], metavar="NAME=FILE", help="a cost file"
     )
+    parser.add_argument(
+        "--static", action="store_true", help="static batches of --slots requests (no refill)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     max_k = max(args.k) + max(args.extra)
     traces = load_pair_traces(args.pair, args.max_new_tokens, max_k, args.traces)
     if args.replicate > 1:
         traces = replicated(traces, args.replicate)
-    print(f"{traces.num_requests} requests, {args.slots} slots, {traces.max_new_tokens} tokens")
+    batches = "static batches of" if args.static else "refilling"
+    print(
+        f"{traces.num_requests} requests, {batches} {args.slots} slots, "
+        f"{traces.max_new_tokens} tokens"
+    )
+    refill = not args.static
     for name, (cost, source) in cost_models(args.cost_model).items():
-        fixed, cells = run_grid(traces, cost, args.slots, args.k, args.extra)
+        fixed, cells = run_grid(traces, cost, args.slots, args.k, args.extra, refill)
         # A reference, not a goal: what the requests cost without speculation (no draft pass).
-        plain = replay(traces, FixedWindowSelector(0), args.slots, cost).totals.goodput
+        plain = replay(
+            traces, FixedWindowSelector(0), args.slots, cost, refill=refill
+        ).totals.goodput
         print("\n".join(["", *report(name, source, plain, fixed, cells)]), flush=True)
 
 

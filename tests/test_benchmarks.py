@@ -154,6 +154,35 @@ def test_reused_traces_must_fit_the_run(
         goals.load_pair_traces(TINY_PAIR_DIR, max_new_tokens, max_k, path)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("static", [False, True], ids=["refilling", "static"])
+def test_goodput_benchmark_replays_static_batches(
+    recorded: tuple[Path, str],
+    bench: Callable[[str], ModuleType],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    static: bool,
+) -> None:
+    """``--static`` reaches every replay of the run (plain decoding's too) as ``refill=False``,
+    and the report says which batches it replayed."""
+    goodput = bench("bench_goodput")
+    replay = goodput.replay
+    refills: set[bool] = set()
+
+    def recording(*args: object, refill: bool = True, **kwargs: object) -> object:
+        refills.add(refill)
+        return replay(*args, refill=refill, **kwargs)
+
+    monkeypatch.setattr(goodput, "replay", recording)
+    path, _ = recorded
+    argv = ["bench_goodput.py", "--traces", str(path), *ESTIMATOR_GRID, "2", "--slots", "3"]
+    monkeypatch.setattr(sys, "argv", argv + ["--static"] * static)
+    goodput.main()
+    assert refills == {not static}
+    batches = "static batches of 3 slots" if static else "refilling 3 slots"
+    assert batches in capsys.readouterr().out
+
+
 def test_gap_closed_is_undefined_without_a_gap(bench: Callable[[str], ModuleType]) -> None:
     goals = bench("bench_replay_goals")
     assert goals.gap_closed(1.5, 1.0, 2.0) == 0.5
