@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 import specselect.hf.generate as hf_generate
 from hf_models import EOS_ID, PAD_ID, left_padded_prompts, tiny_pair
 from specselect import FixedWindowSelector, make_selector, native
-from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, speculative_generate
+from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, graphs, speculative_generate
 from specselect.hf.compat import ModelHandle, graph_obstacle
 from specselect.hf.generate import (
     CPU_TREE_READS_PER_STEP,
@@ -82,6 +82,18 @@ def run(target, draft, ids, mask, config: str, eos: object, selector=None, **kwa
     return speculative_generate(
         target, draft, ids, mask, selector=selector, tree=tree, eos_token_id=eos, **kwargs
     )
+
+
+def make_fx_traces_generators() -> bool:
+    """Whether this torch's make_fx records ops that take a torch.Generator (2.7 does not)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    generator = torch.Generator()
+    try:
+        make_fx(lambda: torch.rand(1, generator=generator))()
+    except NotImplementedError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize(
@@ -190,6 +202,56 @@ def test_an_eager_call_leaves_the_kept_workspace() -> None:
     for out in (first, eager, again):
         assert torch.equal(out.sequences, reference[:3])
     assert first.stats.captures > 0 and again.stats.captures == 0
+
+
+@pytest.mark.parametrize("first", ["inference", "moved"])
+def test_a_kept_workspace_survives_the_callers_changes(first: str) -> None:
+    """A workspace kept by a call under ``torch.inference_mode()`` serves a later call outside
+    it (its buffers are ordinary tensors, updated in place); a target whose weights moved (to
+    another dtype and back: new memory) gets a new workspace, whose graphs read the weights
+    where they are now."""
+    target, draft, ids, mask, eos, reference = case("llama", 0)
+    release_workspace(target)
+    context = torch.inference_mode() if first == "inference" else contextlib.nullcontext()
+    with emulate_on_cpu():
+        with context:
+            before = run(target, draft, ids[:3], mask[:3], "fixed", eos, cuda_graphs=True)
+        if first == "moved":
+            target.double().float()
+        after = run(target, draft, ids[:3], mask[:3], "fixed", eos, cuda_graphs=True)
+        replay = run(target, draft, ids[:3], mask[:3], "fixed", eos, cuda_graphs=True)
+    release_workspace(target)
+    for out in (before, after, replay):
+        assert torch.equal(out.sequences, reference[:3])
+    assert (after.stats.captures == before.stats.captures) == (first == "moved")
+    assert replay.stats.captures == 0
+
+
+@pytest.mark.skipif(
+    not make_fx_traces_generators(),
+    reason="this torch's make_fx cannot trace a generator argument (CPU trace mode)",
+)
+def test_a_new_generator_per_call_replays_the_kept_graphs() -> None:
+    """The graphs draw from the workspace's own generator, which takes the caller's state and
+    gives it back: a fresh seeded generator per call samples what eager mode samples, leaves
+    the caller's generator where eager mode does, and replays the graphs (no new captures)."""
+    target, draft, ids, mask, _, _ = case("llama", 0)
+
+    def sample(graphs: bool) -> tuple[Any, torch.Tensor]:
+        generator = torch.Generator().manual_seed(5)
+        config = (target, draft, ids[:2], mask[:2], "fixed", [])
+        out = run(*config, do_sample=True, generator=generator, cuda_graphs=graphs)
+        return out, generator.get_state()
+
+    eager, state = sample(False)
+    release_workspace(target)
+    with emulate_on_cpu():
+        calls = [sample(True) for _ in range(3)]
+    release_workspace(target)
+    for out, after in calls:
+        assert torch.equal(out.sequences, eager.sequences)
+        assert torch.equal(after, state)
+    assert calls[0][0].stats.captures > 0 and calls[2][0].stats.captures == 0
 
 
 def test_greedy_trees_keep_no_draft_distributions() -> None:
@@ -432,18 +494,6 @@ def test_a_selector_used_again_is_kept_before_older_ones() -> None:
     release_workspace(target)
     assert long_lived.capture_key in workspace.selectors
     assert long_lived.capture_key in captured
-
-
-def make_fx_traces_generators() -> bool:
-    """Whether this torch's make_fx records ops that take a torch.Generator (2.7 does not)."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    generator = torch.Generator()
-    try:
-        make_fx(lambda: torch.rand(1, generator=generator))()
-    except NotImplementedError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize(
@@ -735,6 +785,13 @@ def test_cuda_one_host_read_per_step(cuda_graphs: bool, config: str) -> None:
     assert long_syncs - short_syncs == HOST_READS_PER_STEP * steps * per_wait
 
 
+def fake_handle(device: str) -> ModelHandle:
+    """A model handle on a faked ``device``: graph_mode's checks need no GPU."""
+    return ModelHandle(
+        torch.nn.Linear(2, 2), torch.device(device), 8, "sdpa", torch.float32, True, 1
+    )
+
+
 @pytest.mark.parametrize("fall_back", [True, False])
 def test_a_failed_capture_falls_back_to_eager_mode_unless_required(fall_back: bool) -> None:
     """cuda_graphs=None: a capture that fails warns and the generation goes on eagerly (the
@@ -747,25 +804,46 @@ def test_a_failed_capture_falls_back_to_eager_mode_unless_required(fall_back: bo
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(StageRunner, "_capture_cuda", broken)
+        patch.setattr(graphs, "_BROKEN", None)  # restored after: later tests may capture
         if not fall_back:
             with pytest.raises(RuntimeError, match="not permitted"):
                 runner("key", lambda: runs.append(1))
-            return
-        with pytest.warns(RuntimeWarning, match="continues in eager mode"):
-            runner("key", lambda: runs.append(1))
-        runner("key", lambda: runs.append(2))
-    assert runs == [1, 2] and runner.mode == "eager" and runner.captures == 0
+        else:
+            with pytest.warns(RuntimeWarning, match="continues in eager mode"):
+                runner("key", lambda: runs.append(1))
+            runner("key", lambda: runs.append(2))
+            assert runs == [1, 2] and runner.mode == "eager" and runner.captures == 0
+        assert graphs.capture_failure() == (
+            "a CUDA graph capture failed earlier in this process (operation not permitted when "
+            "stream is capturing)"
+        )
+        # A failed capture can leave torch's allocator unable to capture again: later calls
+        # run eagerly, or say why not.
+        handle = fake_handle("cuda:0")
+        patch.setattr(hf_generate, "graph_obstacle", lambda model, name: None)
+        assert graph_mode(None, handle, handle, [None]) == "eager"
+        with pytest.raises(ValueError, match="a CUDA graph capture failed earlier in this process"):
+            graph_mode(True, handle, handle, [None])
+
+
+def test_graph_mode_refuses_autocast() -> None:
+    """Autocast's cached casts of the weights are freed when its block ends, while replays would
+    read them: graph mode says so (True) or stays eager (None)."""
+    handle = fake_handle("cuda:0")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hf_generate, "graph_obstacle", lambda model, name: None)
+        assert graph_mode(None, handle, handle, [None]) == "cuda"
+        patch.setattr(torch, "is_autocast_enabled", lambda *device: True)
+        assert graph_mode(None, handle, handle, [None]) == "eager"
+        with pytest.raises(ValueError, match=r"cuda_graphs=True, but torch\.autocast is enabled"):
+            graph_mode(True, handle, handle, [None])
 
 
 def test_graph_mode_needs_both_models_on_one_device() -> None:
     """A CUDA graph records one device's stream: a draft on another GPU than the target would
     run outside the capture (twice: for real, then again while capturing) and not be replayed.
     Devices are faked (no GPU needed): each model alone passes the per-model checks."""
-    model = torch.nn.Linear(2, 2)
-    target, draft = (
-        ModelHandle(model, torch.device(name), 8, "sdpa", torch.float32, True, 1)
-        for name in ("cuda:0", "cuda:1")
-    )
+    target, draft = fake_handle("cuda:0"), fake_handle("cuda:1")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(hf_generate, "graph_obstacle", lambda model, name: None)
         assert graph_mode(True, target, target, [None]) == "cuda"
@@ -775,10 +853,16 @@ def test_graph_mode_needs_both_models_on_one_device() -> None:
 
 
 def test_graph_obstacles_name_the_reason() -> None:
-    """Why a model cannot be captured: not on a CUDA device, or spread over devices."""
+    """Why a model cannot be captured: not on a CUDA device, spread over devices, or a forward
+    pass that branches on device values (dynamic RoPE)."""
     model = torch.nn.Linear(2, 2)
     assert graph_obstacle(model, "draft") == "draft is on cpu, not on a CUDA device"
     model.register_buffer("table", torch.zeros(2, device="meta"))
     assert graph_obstacle(model, "target") == (
         "target's weights are spread over several devices (cpu, meta)"
+    )
+    target, _ = tiny_pair("llama", 0, noise=NOISE["llama"])
+    target.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    assert graph_obstacle(target, "target") == (
+        "target uses 'dynamic' RoPE scaling, which reads positions on the host"
     )

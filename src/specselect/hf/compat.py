@@ -280,12 +280,32 @@ def text_config(model: nn.Module) -> Any:
     return (get_text_config() if get_text_config is not None else None) or config
 
 
+def _rope_types(config: Any) -> list[str]:
+    """The RoPE types of ``config``: ``rope_parameters`` (transformers 5) or ``rope_scaling``,
+    one dict or one per layer type."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return []
+    nested = [p for p in params.values() if isinstance(p, dict)]
+    return [
+        str(kind)
+        for p in [params, *nested]
+        if (kind := p.get("rope_type", p.get("type"))) is not None
+    ]
+
+
 def graph_obstacle(model: nn.Module, name: str) -> str | None:
     """Why ``model`` cannot run in CUDA graphs, or ``None`` if it can.
 
     A captured pass replays fixed kernels on fixed memory: every weight must sit on one CUDA
-    device (no CPU offloading or multi-device ``device_map``).
+    device (no CPU offloading or multi-device ``device_map``), and the forward pass must not
+    branch on device values, as dynamic RoPE scaling does (it compares the longest position
+    with its cached length on the host).
     """
+    config = text_config(model) if hasattr(model, "config") else None
+    dynamic = [kind for kind in _rope_types(config) if "dynamic" in kind]
+    if dynamic:
+        return f"{name} uses {dynamic[0]!r} RoPE scaling, which reads positions on the host"
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
     if len(devices) != 1:
         listed = ", ".join(sorted(str(d) for d in devices))

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import threading
 import time
 import warnings
@@ -66,7 +67,13 @@ from transformers import GenerationConfig
 from specselect._checks import check_int, check_tensor, trusted_values
 from specselect.hf.compat import ModelHandle, check_context_fits, check_pair, graph_obstacle
 from specselect.hf.draft import ChainDrafter
-from specselect.hf.graphs import Mode, StageRunner, bucket_for, emulating_on_cpu
+from specselect.hf.graphs import (
+    Mode,
+    StageRunner,
+    bucket_for,
+    capture_failure,
+    emulating_on_cpu,
+)
 from specselect.hf.memory import CacheNeed, check_memory
 from specselect.hf.options import UNSET, GenerationOptions, resolve_options
 from specselect.hf.state import CacheFull, GenerationState, GenerationStats, Layout, PhaseClock
@@ -160,9 +167,11 @@ def speculative_generate(
             most ``selector.draft_length()`` deep; the selector must support trees
             (``supports_trees``), and its budget counts tree nodes (the root excluded).
         cuda_graphs: capture the draft and verify passes in CUDA graphs and replay them.
-            ``None`` (default): when both models sit on the same CUDA device (if a capture fails,
-            a warning says why and the call goes on eagerly); ``True``: required (raises, saying
-            why, where impossible); ``False``: eager.
+            ``None`` (default): when both models sit on the same CUDA device and can be
+            captured (no dynamic RoPE, no ``torch.autocast`` around the call); if a capture
+            fails, a warning says why and this and every later call in the process go on
+            eagerly. ``True``: required (raises, saying why, where impossible); ``False``:
+            eager.
 
     Returns:
         :class:`SpeculativeOutput` with ``sequences`` and :class:`GenerationStats`.
@@ -219,7 +228,9 @@ def speculative_generate(
         if t_handle.device.type == "cuda"
         else contextlib.nullcontext()
     )
-    with torch.no_grad(), trusted_values(), current:
+    # inference_mode(False): a caller's inference mode would make the kept workspace's buffers
+    # inference tensors, which a later call outside it could not update in place.
+    with torch.inference_mode(False), torch.no_grad(), trusted_values(), current:
         loop = _Loop(
             t_handle,
             d_handle,
@@ -249,7 +260,8 @@ def graph_mode(
     if emulating_on_cpu():
         return "trace"
     handles = [("target", target)] + ([("draft", draft)] if draft is not None else [])
-    reasons = [graph_obstacle(h.model, name) for name, h in handles]
+    reasons = [capture_failure(), _autocast_obstacle()]
+    reasons += [graph_obstacle(h.model, name) for name, h in handles]
     if draft is not None and draft.device != target.device:
         # A graph records the stream of one device: the other model would run outside it.
         reasons.append(f"target sits on {target.device} and draft on {draft.device}")
@@ -262,6 +274,21 @@ def graph_mode(
     if cuda_graphs:
         raise ValueError(f"cuda_graphs=True, but {reason}; pass cuda_graphs=False (or None)")
     return "eager"
+
+
+def _autocast_obstacle() -> str | None:
+    """Why autocast rules graph mode out, or ``None``: its cached casts of the weights are freed
+    when the ``torch.autocast`` block ends, while replays would go on reading them."""
+    try:
+        enabled = torch.is_autocast_enabled("cuda")
+    except TypeError:  # torch < 2.4 takes no device type
+        enabled = torch.is_autocast_enabled()
+    return "torch.autocast is enabled for CUDA" if enabled else None
+
+
+def weight_addresses(model: torch.nn.Module) -> tuple[int, ...]:
+    """Where ``model``'s parameters and buffers live: what its captured passes read."""
+    return tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def check_tree_mode(tree: object, selector: Selector | None) -> None:
@@ -391,6 +418,10 @@ class _Workspace:
     draft: weakref.ReferenceType[torch.nn.Module] | None
     state: GenerationState
     runner: StageRunner
+    #: What the stages draw random numbers from, per device (``None``: the device's default
+    #: generator): the workspace's own, registered with its graphs. A call copies its caller's
+    #: generators' states in and back out, so a fresh generator per call replays the graphs.
+    generators: dict[torch.device, torch.Generator | None]
     #: Capture keys of the selectors whose work was captured, the most recent last.
     selectors: list[Hashable] = field(default_factory=list)
     #: Held by the call using it: a concurrent call on the same target gets its own workspace.
@@ -455,11 +486,20 @@ class _Loop:
 
     def run(self, input_ids: Tensor, attention_mask: Tensor, progress: bool) -> SpeculativeOutput:
         workspace = self._workspace(input_ids)
+        own = [  # (the caller's generator, the workspace's) per device
+            (given, used)
+            for device, given in self.generators.items()
+            if given is not None and (used := workspace.generators[device]) is not None
+        ]
         try:
+            for given, used in own:
+                used.set_state(given.get_state())
             return self._generate(workspace, input_ids, attention_mask, progress)
         except CacheFull as full:
             raise RuntimeError(self._slack_advice(full, *input_ids.shape)) from None
         finally:
+            for given, used in own:
+                given.set_state(used.get_state())  # the caller's generator advanced as drawn
             workspace.lock.release()
 
     def _slack_advice(self, full: CacheFull, batch: int, prompt: int) -> str:
@@ -486,7 +526,7 @@ class _Loop:
         captured = runner.captures
         state.start(self.options, input_ids.shape[0])
         clock = PhaseClock(self.target.device, phases=len(PHASES))
-        generator = self.generators[self.target.device]
+        generator = workspace.generators[self.target.device]
         args = (state, runner, self.selector, self.options.sampling, generator, clock)
         step = ChainStep(*args) if self.tree is None else TreeStep(*args, tree=self.tree)
         if self.options.max_new_tokens > 0:
@@ -518,7 +558,13 @@ class _Loop:
             None if self.draft is None else self.draft.facts(),
             self.tree,
             self.options.sampling,
-            *(id(g) for g in self.generators.values()),
+            # Graphs record the weights' addresses: a model whose weights moved (to the CPU
+            # and back, another dtype and back) must not replay them.
+            weight_addresses(self.target.model),
+            None if self.draft is None else weight_addresses(self.draft.model),
+            # Which devices draw from a generator of their own (the workspace's: see
+            # _Workspace.generators), not which generator: a new one per call replays too.
+            *(g is not None for g in self.generators.values()),
         )
         draft = None if self.draft is None else self.draft.model
         kept = _WORKSPACES.get(self.target.model) if graphs else None
@@ -541,10 +587,20 @@ class _Loop:
             gc.collect()
         self._check_memory(layout, prompt)
         # The state holds the models weakly: a kept workspace must not keep them alive.
-        state = GenerationState(self.target.weak(), self._drafter(layout), layout, graphs)
-        runner = StageRunner(self.mode, list(self.generators.values()), fall_back=self.fall_back)
+        generators = {
+            device: None if given is None else torch.Generator(device=device)
+            for device, given in self.generators.items()
+        }
+        drafter = self._drafter(layout, generators)
+        state = GenerationState(self.target.weak(), drafter, layout, graphs)
+        runner = StageRunner(
+            self.mode,
+            list(generators.values()),
+            fall_back=self.fall_back,
+            device=self.target.device,
+        )
         draft_ref = None if draft is None else weakref.ref(draft)
-        workspace = _Workspace(key, draft_ref, state, runner)
+        workspace = _Workspace(key, draft_ref, state, runner, generators)
         workspace.lock.acquire()
         if graphs and not busy:
             _WORKSPACES[self.target.model] = workspace
@@ -593,10 +649,12 @@ class _Loop:
             needs, asked, "the batch size, the prompt length, max_new_tokens or cache_slack"
         )
 
-    def _drafter(self, layout: Layout) -> ChainDrafter | None:
+    def _drafter(
+        self, layout: Layout, generators: dict[torch.device, torch.Generator | None]
+    ) -> ChainDrafter | None:
         if self.draft is None:
             return None
-        generator = self.generators[self.draft.device]
+        generator = generators[self.draft.device]
         vocab, params = self.target.vocab, self.options.sampling
         args = (self.draft.weak(), layout.slots, layout.capacity, vocab, params, generator)
         static = self.mode != "eager"

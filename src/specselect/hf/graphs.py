@@ -30,6 +30,7 @@ mode uses it to forbid reads inside stages.
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Literal
@@ -44,6 +45,19 @@ Mode = Literal["eager", "cuda", "trace"]
 GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 _EMULATE_ON_CPU = False
+
+#: One CUDA capture at a time in the process: ``torch.cuda.graph`` synchronises and empties the
+#: allocator's cache on entry, which would break another thread's capture under way.
+_CAPTURE_LOCK = threading.Lock()
+
+#: Why graph mode is off for the rest of the process: a capture failed (see
+#: :meth:`StageRunner._capture_cuda`), or ``None``.
+_BROKEN: str | None = None
+
+
+def capture_failure() -> str | None:
+    """Why CUDA graphs are off in this process (an earlier capture failed), or ``None``."""
+    return _BROKEN
 
 
 def bucket_for(rows: int, graphs: bool) -> int:
@@ -84,7 +98,9 @@ class StageRunner:
             default generator, which CUDA graphs handle by themselves.
         fall_back: when a CUDA capture fails, warn and run eagerly from then on (for graph
             mode that was not explicitly required) instead of raising. The failed stage has
-            already run for real, so nothing is lost.
+            already run for real, so nothing is lost. A failed capture turns graph mode off
+            for the rest of the process (:func:`capture_failure`).
+        device: the CUDA device the stages run on (default: the current one).
     """
 
     def __init__(
@@ -93,14 +109,17 @@ class StageRunner:
         generators: Sequence[torch.Generator | None] = (),
         *,
         fall_back: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         self.mode = mode
+        self.device = device
         self.generators = [g for g in generators if g is not None]
         self.fall_back = fall_back
         self.captures = 0  # keys captured (trace mode: keys warmed up, to be traced) so far
         self._graphs: dict[Hashable, Any] = {}
         self._warm: set[Hashable] = set()  # trace mode: keys run once, to be traced next
         self._pool: Any = None
+        self._stream: torch.cuda.Stream | None = None  # what CUDA captures record on
 
     def __call__(self, key: Hashable, stage: Callable[[], None]) -> None:
         if self.mode == "eager":
@@ -117,11 +136,15 @@ class StageRunner:
         try:
             self._graphs[key] = self._capture_cuda(stage)
         except RuntimeError as err:
+            global _BROKEN
+            _BROKEN = f"a CUDA graph capture failed earlier in this process ({err})"
             if not self.fall_back:
                 raise
             warnings.warn(
                 f"CUDA graph capture failed ({err}); speculative_generate continues in eager "
-                "mode (pass cuda_graphs=False to skip capturing, True to make this an error)",
+                "mode, and so does every later call in this process (a failed capture can leave "
+                "PyTorch's allocator unable to capture again): pass cuda_graphs=False to skip "
+                "capturing, True to make this an error",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -164,9 +187,39 @@ class StageRunner:
             graph.register_generator_state(generator)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
-            stage()
+        # The models' device, current for the capture (CUDAGraph records the current device)
+        # and the capture's own stream there: torch's default capture stream is made once per
+        # process, on whichever device was current at the first capture.
+        device = self.device if self.device is not None else torch.device("cuda")
+        with torch.cuda.device(device), _CAPTURE_LOCK:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            before = torch.cuda.current_stream()
+            try:
+                # "thread_local": other threads' work (another call's eager steps) does not
+                # invalidate this capture; only this thread's unsafe calls do.
+                with torch.cuda.graph(
+                    graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"
+                ):
+                    stage()
+            except RuntimeError:
+                _end_pool_allocation(torch.cuda.current_device(), self._pool)
+                raise
+            finally:
+                # A failed capture_end skips torch.cuda.graph's own exit: restore the stream.
+                torch.cuda.set_stream(before)
         return graph
+
+
+def _end_pool_allocation(device: int, pool: Any) -> None:
+    """After a failed capture: end the allocator's routing to the graph pool, which
+    ``capture_end`` skips when it raises (best effort; an allocator left routing breaks every
+    later ``torch.cuda.empty_cache``)."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        return
+    with contextlib.suppress(RuntimeError, TypeError):
+        end(device, pool)
 
 
 def _trace(
@@ -309,6 +362,7 @@ __all__ = [
     "HostReads",
     "StageRunner",
     "bucket_for",
+    "capture_failure",
     "emulate_on_cpu",
     "emulating_on_cpu",
 ]
