@@ -30,7 +30,8 @@ from torch.utils import _pytree as pytree
 
 import specselect.hf.generate as hf_generate
 from hf_models import EOS_ID, PAD_ID, left_padded_prompts, tiny_pair
-from specselect import FixedWindowSelector, make_selector, native
+from specselect import FixedWindowSelector, TetrisSelector, make_selector, native
+from specselect.estimators import DraftProbability
 from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, graphs, speculative_generate
 from specselect.hf.compat import ModelHandle, graph_obstacle
 from specselect.hf.generate import (
@@ -53,10 +54,27 @@ T = TypeVar("T")
 # chains and trees. DSD re-chooses its window every other step, and the heuristic its windows
 # every step, from what observe() brings.
 PAPER = {"name": "tetris", "k": 3, "extra": 2, "estimator": None, "guard": False}
+
+
+class DearDraft:
+    """Step times (duck-typed) under which the goodput budget's prior (acceptance 0.7) does not
+    pay for a draft pass but certain acceptance would: it plans plain steps, and probes."""
+
+    def draft_time(self, batch: int, tokens: int) -> float:
+        return 0.9 * tokens
+
+    def verify_time(self, batch: int, tokens: int) -> float:
+        return 1.0
+
+
 CONFIGS = {
     "fixed": ({"name": "fixed", "k": 3}, None),
     "tetris": ({"name": "tetris", "k": 3, "extra": 2}, None),
     "goodput": ({"name": "tetris", "k": 3, "extra": 2, "budget": "goodput"}, None),
+    "goodput-probes": (
+        {"name": "tetris", "k": 3, "extra": 2, "budget": "goodput", "cost_model": DearDraft()},
+        None,
+    ),
     "tetris-tree": ({"name": "tetris", "k": 3, "extra": 2}, TreeSpec(3, 2, 2)),
     "paper-tree": (PAPER, TreeSpec(3, 2, 2)),
     "dsd": ({"name": "dsd", "max_k": 4, "interval": 2}, None),
@@ -280,6 +298,14 @@ def test_a_kept_workspace_does_not_keep_the_models_alive() -> None:
     assert [model() for model in models] == [None, None]
 
 
+class OpaqueEstimator(DraftProbability):
+    """The draft's probabilities, from an estimator that does not say it is capturable."""
+
+    @property
+    def capturable(self) -> bool:
+        return False
+
+
 @pytest.mark.parametrize(
     ("config", "captured"),
     [
@@ -289,13 +315,14 @@ def test_a_kept_workspace_does_not_keep_the_models_alive() -> None:
         ("dsd-tree", True),
         ("heuristic", True),
         ("heuristic-tree", True),
-        ("goodput", False),
+        ("goodput", True),
+        ("opaque", False),
     ],
 )
 def test_selection_is_captured_only_for_capturable_selectors(config: str, captured: bool) -> None:
     """Graph mode replays select + update inside the verify graph when the selector has a
-    capture_key (fixed, the paper's TETRIS, the default TETRIS, DSD, the heuristic), and runs
-    them eagerly otherwise (the goodput budget)."""
+    capture_key (fixed, the paper's TETRIS, the default TETRIS, DSD, the heuristic, the
+    goodput budget), and runs them eagerly otherwise (an estimator that is not capturable)."""
     target, draft, ids, mask, eos, _ = case("llama", 0)
     keys: list[object] = []
     runner_call = StageRunner.__call__
@@ -304,9 +331,13 @@ def test_selection_is_captured_only_for_capturable_selectors(config: str, captur
         keys.append(key)
         runner_call(self, key, stage)  # type: ignore[arg-type]
 
+    selector = None
+    if config == "opaque":  # an estimator that does not declare itself capturable
+        config, selector = "tetris", TetrisSelector(3, 2, estimator=OpaqueEstimator())
     with emulate_on_cpu(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(StageRunner, "__call__", spy)
-        run(target, draft, ids[:2], mask[:2], config, eos, cuda_graphs=True, max_new_tokens=6)
+        config_run = (target, draft, ids[:2], mask[:2], config, eos, selector)
+        run(*config_run, cuda_graphs=True, max_new_tokens=6)
     release_workspace(target)
     names = {key[0] for key in keys}  # type: ignore[index]
     assert ("select+verify" in names) == captured
@@ -321,6 +352,13 @@ def learned_state(selector) -> list[torch.Tensor]:
     return [estimator.log_losses(), table, selector.guard.auc()]
 
 
+def planned_state(selector) -> list[torch.Tensor]:
+    """What the goodput budget has learned: its depth model, and its estimator's state."""
+    planner = selector.planner
+    model = [torch.from_numpy(planner.acceptance()), torch.from_numpy(planner.verification())]
+    return model + learned_state(selector)
+
+
 def heuristic_windows(selector) -> list[torch.Tensor]:
     """The heuristic's per-request windows (on the host)."""
     return [torch.tensor(selector.windows())]
@@ -330,6 +368,8 @@ def heuristic_windows(selector) -> list[torch.Tensor]:
     ("config", "state"),
     [
         ("tetris", learned_state),
+        ("goodput", planned_state),
+        ("goodput-probes", planned_state),
         ("heuristic", heuristic_windows),
         ("heuristic-tree", heuristic_windows),
     ],
@@ -338,8 +378,9 @@ def test_captured_learning_selector_learns_as_in_eager_mode(
     config: str, state: Callable[..., list[torch.Tensor]]
 ) -> None:
     """A selector whose captured select + update replays on state it keeps in place (the
-    default TETRIS learns on the device every step; the heuristic's windows learn on the host
-    and reach the graphs through its device copy) verifies in graph mode what it does in eager
+    default TETRIS learns on the device every step; the goodput budget also plans its depth on
+    the host; the heuristic's windows learn on the host and reach the graphs through its
+    device copy) verifies in graph mode what it does in eager
     mode, step by step, and ends each call with the same learned state. One selector serves
     calls of 4, 2 and 4 rows in turn (each batch size keeps its own per-request state, which
     its graphs replay on; the 4-row graphs are replayed by the third call); both give

@@ -295,9 +295,8 @@ class GoodputPlanner:
         self._verified = np.zeros(depths)  # ... and depth j too
         # Decayed verified nodes and deepest depths: a tree verifies several nodes per depth.
         self._nodes = self._deepest = 0.0
-        # The draft depth of the step being observed: a chain's as drafted (select sees it);
-        # a tree's as planned (a tree shallower than that fails its missing depths, which
-        # values them at nothing, as they are).
+        # The draft depth of the step being observed, as planned (a tree shallower than that
+        # fails its missing depths, which values them at nothing, as they are).
         self._drafted = depths
         self._idle = 0  # steps in a row that verified nothing
         self._probing = False  # whether the last depth() was a probe
@@ -348,7 +347,8 @@ class GoodputPlanner:
     def depth(self, active: int) -> int:
         """The draft depth for ``active`` rows: :meth:`best_depth`; on a probe (once
         ``probe_every`` steps in a row verified nothing, if certain acceptance would make
-        drafting pay), at least 1, and the next :meth:`select` verifies all of it."""
+        drafting pay), at least 1, and :meth:`select` verifies all of it until the next
+        :meth:`depth`."""
         best = self.best_depth(active)
         self._probing = self._idle >= self.probe_every
         if self._probing and not best:  # unless no acceptance could make drafting pay
@@ -393,16 +393,27 @@ class GoodputPlanner:
         return int(np.argmax((expected + active) / seconds))  # the first maximum: smallest K
 
     # ------------------------------------------------------------------ device: the budget
+    @property
+    def probing(self) -> bool:
+        """Whether the last :meth:`depth` planned a probe: the selections until the next
+        :meth:`depth` verify everything drafted. A host flag, so a captured selection keys on
+        it (:attr:`TetrisSelector.capture_key`)."""
+        return self._probing
+
     def select(self, costs: Tensor, active: Tensor | None, passes: Tensor | int) -> Tensor:
         """``[B, W]`` bool: :func:`goodput_mask` with this planner's cached device tables; on a
-        probe step (see the class), every available entry of the active rows."""
+        probe step (see the class), every available entry of the active rows.
+
+        Reads the host state and changes none of it, so a captured call replays exactly: what
+        it depends on is the shapes, :attr:`probing` and the cached tables. A chain the loop
+        drafted shallower than planned (no row could emit the rest) counts as drafted as
+        planned: a row that accepted all of it failed the next depth, in the last steps of a
+        row only.
+        """
         rows, width = costs.shape
-        if isinstance(passes, int):  # a chain's depth as drafted (the loop may draft less)
-            self._drafted = passes
         if rows * width == 0:
             return torch.zeros(costs.shape, dtype=torch.bool, device=costs.device)
-        probing, self._probing = self._probing, False  # this step's: never a later select's
-        if probing:  # a host flag: the goodput budget runs eagerly, never captured
+        if self._probing:
             return drafted_mask(costs, active)
         verify, draft = self._device_tables(rows, width, costs.device)
         return goodput_mask(costs, active, verify, draft, passes)
