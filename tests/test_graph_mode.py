@@ -36,7 +36,9 @@ from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, graphs, speculati
 from specselect.hf.compat import ModelHandle, graph_obstacle
 from specselect.hf.generate import (
     CPU_TREE_READS_PER_STEP,
+    DEFAULT_CACHE_SLACK,
     HOST_READS_PER_STEP,
+    SPAN_ALIGNMENT,
     graph_mode,
     release_workspace,
 )
@@ -270,6 +272,21 @@ def test_a_new_generator_per_call_replays_the_kept_graphs() -> None:
         assert torch.equal(out.sequences, eager.sequences)
         assert torch.equal(after, state)
     assert calls[0][0].stats.captures > 0 and calls[2][0].stats.captures == 0
+
+
+def test_graph_mode_aligns_the_attention_span() -> None:
+    """Every graph-mode pass attends over the whole cache capacity: it is a multiple of
+    SPAN_ALIGNMENT columns (memory-efficient attention copies a mask with unaligned rows), the
+    least that holds the prompt, the new tokens and the slack."""
+    target, draft, ids, mask, eos, reference = case("llama", 0)
+    release_workspace(target)
+    with emulate_on_cpu():
+        out = run(target, draft, ids[:3], mask[:3], "fixed", eos, cuda_graphs=True)
+    capacity = hf_generate._WORKSPACES[target].state.layout.capacity
+    release_workspace(target)
+    assert torch.equal(out.sequences, reference[:3])
+    needed = ids.shape[1] + MAX_NEW + DEFAULT_CACHE_SLACK
+    assert capacity % SPAN_ALIGNMENT == 0 and needed <= capacity < needed + SPAN_ALIGNMENT
 
 
 def test_greedy_trees_keep_no_draft_distributions() -> None:

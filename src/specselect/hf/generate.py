@@ -445,6 +445,11 @@ class _Workspace:
             self.runner.forget(lambda key: Step.captured_selector(key) == old)
 
 
+#: Graph mode's cache capacity is a multiple of this: every pass attends over all of it, and
+#: PyTorch's memory-efficient attention copies a mask whose rows are not 16-element aligned,
+#: once per layer and pass.
+SPAN_ALIGNMENT = 16
+
 #: Selectors whose captures a kept workspace holds (see :meth:`_Workspace.retain`).
 KEPT_SELECTORS = 4
 
@@ -610,9 +615,9 @@ class _Loop:
     def _layout(self, batch: int, prompt: int, graphs: bool) -> Layout:
         """What this call needs allocated: slots for its bucket, cache columns for the longest
         row plus the slack (and a step's tree)."""
-        capacity = prompt + self.options.max_new_tokens + self.slack
-        if self.tree is not None:  # a step's tree must fit beside a full row
-            capacity += self.tree.num_nodes + self.tree.fed_nodes() + 2
+        capacity = prompt + self.options.max_new_tokens + self.slack + self._tree_columns()
+        if graphs:  # every pass attends over the whole capacity: keep its rows aligned
+            capacity = -(-capacity // SPAN_ALIGNMENT) * SPAN_ALIGNMENT
         return Layout(
             slots=max(bucket_for(batch, graphs), 1),
             capacity=capacity,
@@ -621,6 +626,10 @@ class _Loop:
             eos=len(self.options.eos_token_ids),
             lookup=self.selector is not None and self.selector.uses_features,
         )
+
+    def _tree_columns(self) -> int:
+        """Cache columns a step's tree needs beside a full row (0 for chains)."""
+        return 0 if self.tree is None else self.tree.num_nodes + self.tree.fed_nodes() + 2
 
     def _check_memory(self, layout: Layout, prompt: int) -> None:
         """Refuse caches that cannot fit before allocating them (:mod:`specselect.hf.memory`).
@@ -634,8 +643,8 @@ class _Loop:
             for handle in (self.target, self.draft)
             if handle is not None
         ]
-        new = self.options.max_new_tokens
-        tree = layout.capacity - prompt - new - self.slack
+        new, tree = self.options.max_new_tokens, self._tree_columns()
+        aligned = layout.capacity - prompt - new - self.slack - tree
         rows = f"{layout.batch} rows" + (
             f" ({layout.slots} cache slots)" if layout.slots != layout.batch else ""
         )
@@ -643,6 +652,7 @@ class _Loop:
             f"speculative_generate with {rows} of {layout.capacity} cache columns (prompt "
             f"{prompt} + max_new_tokens {new} + cache_slack {self.slack}"
             + (f" + {tree} for a step's tree" if tree else "")
+            + (f" + {aligned} to align them" if aligned else "")
             + ")"
         )
         check_memory(
