@@ -193,7 +193,7 @@ class StageRunner:
         device = self.device if self.device is not None else torch.device("cuda")
         with torch.cuda.device(device), _CAPTURE_LOCK:
             if self._stream is None:
-                self._stream = torch.cuda.Stream()
+                self._stream = _primed_stream()
             before = torch.cuda.current_stream()
             try:
                 # "thread_local": other threads' work (another call's eager steps) does not
@@ -209,6 +209,24 @@ class StageRunner:
                 # A failed capture_end skips torch.cuda.graph's own exit: restore the stream.
                 torch.cuda.set_stream(before)
         return graph
+
+
+def _primed_stream() -> torch.cuda.Stream:
+    """A new stream on the current device, its cuBLAS state made outside any capture.
+
+    cuBLAS workspaces are made per (handle, stream) on a stream's first matrix product; made
+    during a capture they would come from the graph's pool, and some torch versions free a
+    stream's workspace when one of its graphs is destroyed while the others still use it.
+    """
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            with contextlib.suppress(RuntimeError):  # a dtype this GPU has no GEMM for
+                x = torch.ones(8, 8, device="cuda", dtype=dtype)
+                torch.mm(x, x)  # cuBLAS
+                torch.nn.functional.linear(x, x, x[0])  # cuBLASLt, with a bias
+    stream.synchronize()
+    return stream
 
 
 def _end_pool_allocation(device: int, pool: Any) -> None:
