@@ -898,6 +898,32 @@ def test_graph_mode_refuses_autocast() -> None:
             graph_mode(True, handle, handle, [None])
 
 
+def test_forgotten_graphs_are_destroyed_all_at_once() -> None:
+    """forget() parks graphs instead of destroying them one by one (a destroyed graph can take
+    its stream's cuBLAS workspace from the graphs left); past PARKED_GRAPHS every graph goes at
+    once, and a key still in use is captured again."""
+    runner = StageRunner("trace")
+    counter = torch.zeros(())
+
+    def stage() -> None:
+        counter.add_(1)
+
+    def capture(key: int) -> None:
+        for _ in range(2):  # trace mode: a warm-up, then the trace
+            runner(key, stage)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graphs, "PARKED_GRAPHS", 2)
+        for key in range(4):
+            capture(key)
+        captured = runner.captures
+        for old in range(3):
+            runner.forget(lambda key, old=old: key == old)
+            runner(3, stage)  # key 3 replays while at most 2 graphs are parked
+            assert runner.captures == captured + (old == 2)
+    assert counter.item() == 8 + 3
+
+
 def test_graph_mode_needs_both_models_on_one_device() -> None:
     """A CUDA graph records one device's stream: a draft on another GPU than the target would
     run outside the capture (twice: for real, then again while capturing) and not be replayed.
@@ -921,7 +947,8 @@ def test_graph_obstacles_name_the_reason() -> None:
         "target's weights are spread over several devices (cpu, meta)"
     )
     target, _ = tiny_pair("llama", 0, noise=NOISE["llama"])
-    target.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
-    assert graph_obstacle(target, "target") == (
-        "target uses 'dynamic' RoPE scaling, which reads positions on the host"
-    )
+    for kind in ("dynamic", "longrope"):
+        target.config.rope_parameters = {"rope_type": kind, "factor": 2.0, "rope_theta": 1e4}
+        assert graph_obstacle(target, "target") == (
+            f"target uses {kind!r} RoPE scaling, which reads positions on the host"
+        )

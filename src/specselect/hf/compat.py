@@ -300,12 +300,12 @@ def graph_obstacle(model: nn.Module, name: str) -> str | None:
     A captured pass replays fixed kernels on fixed memory: every weight must sit on one CUDA
     device (no CPU offloading or multi-device ``device_map``), and the forward pass must not
     branch on device values, as dynamic RoPE scaling does (it compares the longest position
-    with its cached length on the host).
+    with its cached length on the host), and LongRoPE in some transformers 5 releases.
     """
     config = text_config(model) if hasattr(model, "config") else None
-    dynamic = [kind for kind in _rope_types(config) if "dynamic" in kind]
-    if dynamic:
-        return f"{name} uses {dynamic[0]!r} RoPE scaling, which reads positions on the host"
+    host_read = [k for k in _rope_types(config) if "dynamic" in k or k == "longrope"]
+    if host_read:
+        return f"{name} uses {host_read[0]!r} RoPE scaling, which reads positions on the host"
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
     if len(devices) != 1:
         listed = ", ".join(sorted(str(d) for d in devices))

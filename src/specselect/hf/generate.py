@@ -501,13 +501,13 @@ class _Loop:
                 used.set_state(given.get_state())
             return self._generate(workspace, input_ids, attention_mask, progress)
         except CacheFull as full:
-            raise RuntimeError(self._slack_advice(full, *input_ids.shape)) from None
+            raise RuntimeError(self._slack_advice(full, input_ids.shape[1])) from None
         finally:
             for given, used in own:
                 given.set_state(used.get_state())  # the caller's generator advanced as drawn
             workspace.lock.release()
 
-    def _slack_advice(self, full: CacheFull, batch: int, prompt: int) -> str:
+    def _slack_advice(self, full: CacheFull, prompt: int) -> str:
         """Why a step did not fit, and the ``cache_slack`` that would have held it.
 
         No minimum can be checked before the call: a step writes ``k + 1`` columns (more for a
@@ -515,7 +515,9 @@ class _Loop:
         selector chooses per step and on how far apart the rows have drifted (``0`` fits a
         call whose rows keep pace; the first step always fits).
         """
-        reserved = self._layout(batch, prompt, self.mode != "eager").capacity - self.slack
+        # What the caches hold besides the slack (graph mode's alignment columns left out:
+        # the capacity a larger slack gives is rounded up again).
+        reserved = prompt + self.options.max_new_tokens + self._tree_columns()
         return (
             f"cache_slack={self.slack} is too small for this call: a step needed {full.columns} "
             f"cache columns per row, the caches hold {full.capacity}; pass cache_slack >= "

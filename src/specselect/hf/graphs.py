@@ -54,6 +54,10 @@ _CAPTURE_LOCK = threading.Lock()
 #: :meth:`StageRunner._capture_cuda`), or ``None``.
 _BROKEN: str | None = None
 
+#: Forgotten graphs a runner keeps before it destroys all its graphs at once (see
+#: :meth:`StageRunner.forget`).
+PARKED_GRAPHS = 64
+
 
 def capture_failure() -> str | None:
     """Why CUDA graphs are off in this process (an earlier capture failed), or ``None``."""
@@ -117,6 +121,7 @@ class StageRunner:
         self.fall_back = fall_back
         self.captures = 0  # keys captured (trace mode: keys warmed up, to be traced) so far
         self._graphs: dict[Hashable, Any] = {}
+        self._parked: list[Any] = []  # forgotten graphs, destroyed all at once (see forget)
         self._warm: set[Hashable] = set()  # trace mode: keys run once, to be traced next
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None  # what CUDA captures record on
@@ -167,14 +172,25 @@ class StageRunner:
         self.captures += 1
 
     def forget(self, stale: Callable[[Hashable], bool]) -> None:
-        """Forget the captures whose keys ``stale`` accepts (their graphs are freed)."""
+        """Forget the captures whose keys ``stale`` accepts.
+
+        Their graphs are not destroyed one by one but parked, and destroyed with all the
+        others once :data:`PARKED_GRAPHS` are parked: some torch versions free a capture
+        stream's cuBLAS workspace when one of its graphs is destroyed, while the graphs left
+        on that stream still use it. (A parked graph holds little: its scratch memory went
+        back to the shared pool when its capture ended.)
+        """
         for key in [key for key in self._graphs if stale(key)]:
-            del self._graphs[key]
+            self._parked.append(self._graphs.pop(key))
         self._warm = {key for key in self._warm if not stale(key)}
+        if len(self._parked) > PARKED_GRAPHS:
+            self.clear()
 
     def clear(self) -> None:
-        """Forget every capture (the buffers they recorded were replaced)."""
+        """Forget every capture, all destroyed at once (the buffers they recorded were
+        replaced, or too many are parked)."""
         self._graphs.clear()
+        self._parked.clear()
         self._warm.clear()
 
     def _capture_cuda(self, stage: Callable[[], None]) -> torch.cuda.CUDAGraph:
@@ -204,6 +220,7 @@ class StageRunner:
                     stage()
             except RuntimeError:
                 _end_pool_allocation(torch.cuda.current_device(), self._pool)
+                _leave_capture_mode(self.generators)
                 raise
             finally:
                 # A failed capture_end skips torch.cuda.graph's own exit: restore the stream.
@@ -230,14 +247,30 @@ def _primed_stream() -> torch.cuda.Stream:
 
 
 def _end_pool_allocation(device: int, pool: Any) -> None:
-    """After a failed capture: end the allocator's routing to the graph pool, which
-    ``capture_end`` skips when it raises (best effort; an allocator left routing breaks every
-    later ``torch.cuda.empty_cache``)."""
+    """After a failed capture: end the allocator's routing to the graph pool and release the
+    capture's use of the pool, which ``capture_end`` skips when it raises (best effort: an
+    allocator left routing breaks every later ``torch.cuda.empty_cache``, and a pool still in
+    use is never freed). If ``capture_end`` got as far as ending the routing, ending it again
+    raises and the pool is not released twice."""
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end is None:
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is None or release is None:
         return
     with contextlib.suppress(RuntimeError, TypeError):
         end(device, pool)
+        release(device, pool)
+
+
+def _leave_capture_mode(generators: Sequence[torch.Generator]) -> None:
+    """After a failed capture: torch before 2.13 leaves the generators a capture registered
+    (``generators`` and the device's default one) flagged as capturing, and their next eager
+    draw raises. Each gets a fresh state object with the same seed and offset (best effort)."""
+    index = torch.cuda.current_device()
+    for generator in [*generators, torch.cuda.default_generators[index]]:
+        with contextlib.suppress(RuntimeError, AttributeError, TypeError):
+            fresh = torch.Generator(device=generator.device)
+            fresh.set_state(generator.get_state())
+            generator.graphsafe_set_state(fresh.graphsafe_get_state())
 
 
 def _trace(

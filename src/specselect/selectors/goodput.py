@@ -281,6 +281,9 @@ class GoodputPlanner:
         self.decay = check_probability("decay", decay)
         self.probe_every = check_int("probe_every", probe_every, minimum=1)
         self.times = StepTimes(cost_model)
+        # [] bool on the selections' device: the probe flag as a captured selection reads it
+        # (depth() fills it in place, outside any capture). Made by the first select().
+        self._probe_flag: Tensor | None = None
         # (rows, width, device) -> the device tables of goodput_mask: they depend on no state
         self._tables: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
         self.reset()
@@ -300,6 +303,8 @@ class GoodputPlanner:
         self._drafted = depths
         self._idle = 0  # steps in a row that verified nothing
         self._probing = False  # whether the last depth() was a probe
+        if self._probe_flag is not None:
+            self._probe_flag.fill_(False)
 
     # ------------------------------------------------------------------ host: the draft depth
     def observe(
@@ -355,6 +360,8 @@ class GoodputPlanner:
             certain = np.ones(self.max_depth)
             self._probing = self.best_depth(active, certain, certain, 1.0) > 0
         self._drafted = max(best, 1) if self._probing else best
+        if self._probe_flag is not None:
+            self._probe_flag.fill_(self._probing)  # a fill kernel: no copy, no sync
         return self._drafted
 
     def best_depth(
@@ -396,16 +403,17 @@ class GoodputPlanner:
     @property
     def probing(self) -> bool:
         """Whether the last :meth:`depth` planned a probe: the selections until the next
-        :meth:`depth` verify everything drafted. A host flag, so a captured selection keys on
-        it (:attr:`TetrisSelector.capture_key`)."""
+        :meth:`depth` verify everything drafted."""
         return self._probing
 
     def select(self, costs: Tensor, active: Tensor | None, passes: Tensor | int) -> Tensor:
         """``[B, W]`` bool: :func:`goodput_mask` with this planner's cached device tables; on a
         probe step (see the class), every available entry of the active rows.
 
-        Reads the host state and changes none of it, so a captured call replays exactly: what
-        it depends on is the shapes, :attr:`probing` and the cached tables. A chain the loop
+        Changes no host state and reads the probe flag from a device copy that :meth:`depth`
+        fills in place, so a captured call replays exactly: what it depends on is the shapes,
+        the cached tables and that flag. Both masks are computed, and one is picked on the
+        device. A chain the loop
         drafted shallower than planned (no row could emit the rest) counts as drafted as
         planned: a row that accepted all of it failed the next depth, in the last steps of a
         row only.
@@ -413,10 +421,16 @@ class GoodputPlanner:
         rows, width = costs.shape
         if rows * width == 0:
             return torch.zeros(costs.shape, dtype=torch.bool, device=costs.device)
-        if self._probing:
-            return drafted_mask(costs, active)
         verify, draft = self._device_tables(rows, width, costs.device)
-        return goodput_mask(costs, active, verify, draft, passes)
+        best = goodput_mask(costs, active, verify, draft, passes)  # [B, W]
+        return torch.where(self._device_flag(costs.device), drafted_mask(costs, active), best)
+
+    def _device_flag(self, device: torch.device) -> Tensor:
+        """The probe flag on ``device`` (``[]`` bool), made on first use there."""
+        flag = self._probe_flag
+        if flag is None or flag.device != device:
+            flag = self._probe_flag = torch.full((), self._probing, device=device)
+        return flag
 
     def _device_tables(self, rows: int, width: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """``([B + 1, B * (W + 1) + 1] verify, [B + 1, W + 1] draft)`` seconds on ``device``."""

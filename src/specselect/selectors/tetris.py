@@ -173,16 +173,13 @@ class TetrisSelector(Selector):
     def capture_key(self) -> Hashable | None:
         """Its parameters for the paper's TETRIS (no estimator, no guard: no state); with a
         :attr:`~specselect.estimators.AcceptanceEstimator.capturable` estimator, the guard or
-        the goodput budget, also this object's :attr:`capture_token` (their state is its
-        own); with the goodput budget, also whether this step probes (the planner's host
-        flag; its depth is the step's draft width, which the loop keys on). ``None`` with an
-        estimator that is not capturable."""
+        the goodput budget, also this object's :attr:`capture_token` (their state is its own;
+        the goodput budget's draft depth is the step's draft width, which a loop keys on, and
+        its probe flag a device value). ``None`` with an estimator that is not capturable."""
         if self.estimator is not None and not self.estimator.capturable:
             return None
         key = (self.name, self.k, self.extra, self.budget)
-        if self._planner is not None:
-            return (*key, self.capture_token, self._planner.probing)
-        if self.estimator is None and self.guard is None:
+        if self.estimator is None and self.guard is None and self._planner is None:
             return key
         return (*key, self.capture_token)
 
