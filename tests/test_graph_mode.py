@@ -900,8 +900,9 @@ def test_graph_mode_refuses_autocast() -> None:
 
 def test_forgotten_graphs_are_destroyed_all_at_once() -> None:
     """forget() parks graphs instead of destroying them one by one (a destroyed graph can take
-    its stream's cuBLAS workspace from the graphs left); past PARKED_GRAPHS every graph goes at
-    once, and a key still in use is captured again."""
+    its stream's cuBLAS workspace from the graphs left): a forgotten graph stays alive until
+    PARKED_GRAPHS are parked, then every graph goes at once, and a key still in use is
+    captured again."""
     runner = StageRunner("trace")
     counter = torch.zeros(())
 
@@ -917,10 +918,13 @@ def test_forgotten_graphs_are_destroyed_all_at_once() -> None:
         for key in range(4):
             capture(key)
         captured = runner.captures
+        first = weakref.ref(runner._graphs[0])
         for old in range(3):
             runner.forget(lambda key, old=old: key == old)
-            runner(3, stage)  # key 3 replays while at most 2 graphs are parked
-            assert runner.captures == captured + (old == 2)
+            gc.collect()
+            assert (first() is not None) == (old == 0)  # parked, then destroyed with the rest
+            runner(3, stage)  # key 3 replays while fewer than 2 graphs are parked
+            assert runner.captures == captured + (old >= 1)
     assert counter.item() == 8 + 3
 
 

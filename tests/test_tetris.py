@@ -882,13 +882,25 @@ def test_goodput_depth_model_by_hand() -> None:
 def test_goodput_depth_model_counts_drafted_depths_no_row_verified() -> None:
     """A depth is reached by the rows that accepted the one above it in a step that drafted
     it, whatever the budget verified: here no row verified depth 2 of a 3-deep draft, and the
-    row that accepted depth 1 failed depth 2."""
+    row that accepted depth 1 failed depth 2. A chain drafted shallower than planned (the
+    loop cuts a draft no row could emit) counts as drafted as planned: a row that accepted
+    all of it failed the next depth (select changes no host state, so a captured selection
+    replays exactly)."""
     planner = goodput_tetris(COST_SHAPES["flat"], k=2, extra=1).planner
     assert planner.depth(2) == 3
     planner.observe([1, 1], [1, 0], [1, 1])
     first = (1 + 2 * 0.7) / (2 + 2)
     second = (0 + 2 * first) / (1 + 2)
     assert planner.acceptance().tolist() == pytest.approx([first, second, second])
+    selector = goodput_tetris(COST_SHAPES["flat"], k=2, extra=1)
+    for width in (1, 0):
+        selector.reset()
+        assert selector.draft_length(1) == 3
+        selector.select(torch.full((1, width), math.log(0.9)))
+        selector.observe([width], [width])  # accepted everything drafted, if anything
+        first = (width + 2 * 0.7) / (1 + 2)  # depth 1 reached, passed if drafted
+        rates = [first] + [(0 + 2 * first) / (1 + 2)] * 2 if width else [first] * 3
+        assert selector.planner.acceptance().tolist() == pytest.approx(rates)
 
 
 def test_goodput_depth_weighs_what_verification_costs() -> None:

@@ -168,10 +168,10 @@ def speculative_generate(
             (``supports_trees``), and its budget counts tree nodes (the root excluded).
         cuda_graphs: capture the draft and verify passes in CUDA graphs and replay them.
             ``None`` (default): when both models sit on the same CUDA device and can be
-            captured (no dynamic RoPE, no ``torch.autocast`` around the call); if a capture
-            fails, a warning says why and this and every later call in the process go on
-            eagerly. ``True``: required (raises, saying why, where impossible); ``False``:
-            eager.
+            captured (no dynamic RoPE or LongRoPE, no ``torch.autocast`` around the call, no
+            failed capture earlier in the process); if a capture fails, a warning says why,
+            and this and every later call in the process go on eagerly. ``True``: required
+            (raises, saying why, where impossible); ``False``: eager.
 
     Returns:
         :class:`SpeculativeOutput` with ``sequences`` and :class:`GenerationStats`.
@@ -279,11 +279,7 @@ def graph_mode(
 def _autocast_obstacle() -> str | None:
     """Why autocast rules graph mode out, or ``None``: its cached casts of the weights are freed
     when the ``torch.autocast`` block ends, while replays would go on reading them."""
-    try:
-        enabled = torch.is_autocast_enabled("cuda")
-    except TypeError:  # torch < 2.4 takes no device type
-        enabled = torch.is_autocast_enabled()
-    return "torch.autocast is enabled for CUDA" if enabled else None
+    return "torch.autocast is enabled for CUDA" if torch.is_autocast_enabled("cuda") else None
 
 
 def weight_addresses(model: torch.nn.Module) -> tuple[int, ...]:
@@ -494,7 +490,7 @@ class _Loop:
         own = [  # (the caller's generator, the workspace's) per device
             (given, used)
             for device, given in self.generators.items()
-            if given is not None and (used := workspace.generators[device]) is not None
+            if given is not None and (used := workspace.generators[device]) not in (None, given)
         ]
         try:
             for given, used in own:
@@ -594,10 +590,15 @@ class _Loop:
             gc.collect()
         self._check_memory(layout, prompt)
         # The state holds the models weakly: a kept workspace must not keep them alive.
-        generators = {
-            device: None if given is None else torch.Generator(device=device)
-            for device, given in self.generators.items()
-        }
+        # Graph mode (one device) draws from generators of the workspace's own; eager mode,
+        # which keeps nothing, from the caller's (one per device type: a draft and a target on
+        # two GPUs share it, and their draws must not repeat each other's).
+        generators = self.generators
+        if graphs:
+            generators = {
+                device: None if given is None else torch.Generator(device=device)
+                for device, given in self.generators.items()
+            }
         drafter = self._drafter(layout, generators)
         state = GenerationState(self.target.weak(), drafter, layout, graphs)
         runner = StageRunner(

@@ -183,7 +183,7 @@ class StageRunner:
         for key in [key for key in self._graphs if stale(key)]:
             self._parked.append(self._graphs.pop(key))
         self._warm = {key for key in self._warm if not stale(key)}
-        if len(self._parked) > PARKED_GRAPHS:
+        if len(self._parked) >= PARKED_GRAPHS:
             self.clear()
 
     def clear(self) -> None:
@@ -252,7 +252,10 @@ def _end_pool_allocation(device: int, pool: Any) -> None:
     allocator left routing breaks every later ``torch.cuda.empty_cache``, and a pool still in
     use is never freed). If ``capture_end`` got as far as ending the routing, ending it again
     raises and the pool is not released twice."""
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    # torch 2.7 names it _cuda_endAllocateCurrentStreamToPool.
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None) or getattr(
+        torch._C, "_cuda_endAllocateCurrentStreamToPool", None
+    )
     release = getattr(torch._C, "_cuda_releasePool", None)
     if end is None or release is None:
         return

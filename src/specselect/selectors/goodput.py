@@ -400,23 +400,17 @@ class GoodputPlanner:
         return int(np.argmax((expected + active) / seconds))  # the first maximum: smallest K
 
     # ------------------------------------------------------------------ device: the budget
-    @property
-    def probing(self) -> bool:
-        """Whether the last :meth:`depth` planned a probe: the selections until the next
-        :meth:`depth` verify everything drafted."""
-        return self._probing
-
     def select(self, costs: Tensor, active: Tensor | None, passes: Tensor | int) -> Tensor:
         """``[B, W]`` bool: :func:`goodput_mask` with this planner's cached device tables; on a
         probe step (see the class), every available entry of the active rows.
 
-        Changes no host state and reads the probe flag from a device copy that :meth:`depth`
-        fills in place, so a captured call replays exactly: what it depends on is the shapes,
-        the cached tables and that flag. Both masks are computed, and one is picked on the
-        device. A chain the loop
-        drafted shallower than planned (no row could emit the rest) counts as drafted as
-        planned: a row that accepted all of it failed the next depth, in the last steps of a
-        row only.
+        After its first call per shape and device (which builds the device tables and the
+        probe flag) it changes no host state, and it reads the probe flag from the device copy
+        that :meth:`depth` fills in place, so a captured call replays exactly: what it depends
+        on is the shapes, the tables and that flag. Both masks are computed, and one is picked
+        on the device. A chain the loop drafted shallower than planned (no row could emit the
+        rest) counts as drafted as planned: a row that accepted all of it failed the next
+        depth, in the last steps of a row only.
         """
         rows, width = costs.shape
         if rows * width == 0:
