@@ -166,6 +166,24 @@ def test_bad_active_raises(name: str, active: object, error: type[Exception]) ->
 
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize(
+    ("width", "num_active", "param", "error"),
+    [(-1, 2, "width", ValueError), (4, -1, "num_active", ValueError), (4.0, 2, "width", TypeError)],
+    ids=["width", "num_active", "float"],
+)
+def test_bad_plan_arguments_raise(
+    name: str, width: object, num_active: object, param: str, error: type[Exception]
+) -> None:
+    """The host-side planning calls name the argument they reject."""
+    selector = make(name)
+    with pytest.raises(error, match=param):
+        selector.max_selected(width, num_active)  # type: ignore[arg-type]
+    if param == "num_active":
+        with pytest.raises(error, match=param):
+            selector.draft_length(num_active)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize(
     ("accepted", "error"),
     [
         (torch.zeros(BATCH + 1, dtype=torch.int64), ValueError),

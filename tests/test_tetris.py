@@ -210,17 +210,20 @@ def test_cheapest_per_row_ranks_float64_costs_in_float64(costs: list[float], che
 @SETTINGS
 @given(data=st.data())
 def test_cheapest_per_row_matches_sorted_order(data: st.DataObject) -> None:
-    """Each row's ``count`` cheapest float64 costs (NaN and +inf never), ties by column, from
-    values that are close, equal, signed zeros, infinite or beyond float32's range."""
+    """Each row's ``count`` cheapest costs (NaN of either sign and +inf never), ties by column,
+    from values that are close, equal, signed zeros, infinite or beyond float32's range, in
+    float64 and in the narrower dtypes (ranked as their own values)."""
     rows = data.draw(st.integers(1, 4), label="rows")
     cols = data.draw(st.integers(1, 6), label="cols")
     near = [1.0, 1.0 + 2**-40, 1.0 - 2**-40, 1e-46, 2e-46, 1e39, -1e39, 0.0, -0.0]
     pool = st.sampled_from([*near, math.inf, -math.inf, math.nan, -math.nan])
     value = st.one_of(pool, st.floats(-50.0, 50.0, allow_nan=False))
     values = data.draw(st.lists(value, min_size=rows * cols, max_size=rows * cols))
-    costs = torch.tensor(values, dtype=torch.float64).reshape(rows, cols)
+    dtype = data.draw(st.sampled_from([torch.float64, torch.float32, torch.float16]))
+    costs = torch.tensor(values, dtype=torch.float64).reshape(rows, cols).to(dtype)
     count = data.draw(st.integers(0, cols + 1), label="count")
-    expected = torch.cat([sorted_order_mask(-row.unsqueeze(0), count) for row in costs])
+    exact = costs.to(torch.float64)
+    expected = torch.cat([sorted_order_mask(-row.unsqueeze(0), count) for row in exact])
     assert torch.equal(cheapest_per_row(costs, count), expected)
 
 

@@ -198,8 +198,16 @@ class Selector(abc.ABC):
         :meth:`select` selects, with ``num_active`` active rows: a bound known on the host.
 
         A loop sizes its verification pass with it (static shapes, no sync): a draft tree's
-        unselected nodes need not be sent to the target. Default: ``width``.
+        unselected nodes need not be sent to the target. Default: ``width``; selectors with a
+        smaller bound override :meth:`_max_selected`.
+
+        Raises:
+            TypeError, ValueError: ``width`` or ``num_active`` is not an int >= 0.
         """
+        return self._max_selected(check_int("width", width), check_int("num_active", num_active))
+
+    def _max_selected(self, width: int, num_active: int) -> int:
+        """:meth:`max_selected` on checked arguments."""
         return width
 
     def select(

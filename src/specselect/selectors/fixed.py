@@ -36,7 +36,7 @@ class FixedWindowSelector(Selector):
         check_int("num_active", num_active)
         return self.k
 
-    def max_selected(self, width: int, num_active: int) -> int:
+    def _max_selected(self, width: int, num_active: int) -> int:
         return min(width, self.k)
 
     @property

@@ -162,7 +162,7 @@ class TetrisSelector(Selector):
         """The absolute budget ``C`` of a step with ``num_active`` rows (not the goodput one)."""
         return self.budget if isinstance(self.budget, int) else self.k * num_active
 
-    def max_selected(self, width: int, num_active: int) -> int:
+    def _max_selected(self, width: int, num_active: int) -> int:
         """``width``, or the budget when smaller: ``C`` itself, or ``k · num_active`` (what
         the active rows share when ``width >= k``; inactive rows absorb the rest)."""
         if self._planner is not None or (self.budget is None and width < self.k):
