@@ -41,8 +41,10 @@ def tiny_model(
     layers: int = 2,
     init_range: float = 0.25,
     attn_implementation: str = "sdpa",
+    positions: int = 2048,
 ) -> PreTrainedModel:
-    """A random causal LM of family ``arch`` (see ``ARCHS`` and ``MORE_ARCHS``)."""
+    """A random causal LM of family ``arch`` (see ``ARCHS`` and ``MORE_ARCHS``); ``positions``
+    is the length of GPT-2's and OPT's learned position tables (and Llama's nominal context)."""
     torch.manual_seed(seed)
     ids = {"pad_token_id": PAD_ID, "eos_token_id": EOS_ID, "bos_token_id": BOS_ID}
     if arch == "llama":
@@ -53,7 +55,7 @@ def tiny_model(
             num_hidden_layers=layers,
             num_attention_heads=4,
             num_key_value_heads=2,
-            max_position_embeddings=2048,
+            max_position_embeddings=positions,
             initializer_range=init_range,
             **ids,
         )
@@ -64,14 +66,14 @@ def tiny_model(
             n_embd=hidden,
             n_layer=layers,
             n_head=4,
-            n_positions=2048,
+            n_positions=positions,
             initializer_range=init_range,
             **ids,
         )
         model = GPT2LMHeadModel(config)
     elif arch in MORE_ARCHS:
         model = AutoModelForCausalLM.from_config(
-            _more_config(arch, vocab, hidden, layers, init_range)
+            _more_config(arch, vocab, hidden, layers, init_range, positions)
         )
     else:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS + MORE_ARCHS}")
@@ -79,7 +81,9 @@ def tiny_model(
     return model.eval()
 
 
-def _more_config(arch: str, vocab: int, hidden: int, layers: int, init_range: float):
+def _more_config(
+    arch: str, vocab: int, hidden: int, layers: int, init_range: float, positions: int
+):
     """Qwen2 (biased q/k/v), Mistral (sliding window 4096 by default), OPT (learned positions)."""
     ids = {"pad_token_id": PAD_ID, "eos_token_id": EOS_ID, "bos_token_id": BOS_ID}
     if arch == "opt":
@@ -91,6 +95,7 @@ def _more_config(arch: str, vocab: int, hidden: int, layers: int, init_range: fl
             num_attention_heads=4,
             word_embed_proj_dim=hidden,
             init_std=init_range,
+            max_position_embeddings=positions,
             **ids,
         )
     config_class = Qwen2Config if arch == "qwen2" else MistralConfig

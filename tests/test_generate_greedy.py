@@ -504,6 +504,31 @@ def test_more_architectures(arch: str) -> None:
     assert out.stats.totals.vsr > 0.3
 
 
+@pytest.mark.parametrize("tree", [None, TreeSpec(depth=6, branch=2, width=2)], ids=["chain", "tree"])
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+def test_runs_to_the_end_of_a_learned_position_table(arch: str, tree: TreeSpec | None) -> None:
+    """Prompt plus new tokens fill a learned position table exactly. Rows that accept more
+    reach their end first while the others still draft 6 deep, so they draft past the table:
+    those positions must still embed (the tokens are never emitted)."""
+    target, draft = tiny_pair(arch, 0, noise=0.02, positions=32)
+    ids, mask = left_padded_prompts(BATCH, MIN_PROMPT, 8, VOCAB, 0)
+    max_new = 32 - ids.shape[1]
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=max_new, eos_token_id=[])
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=FixedWindowSelector(6),
+        max_new_tokens=max_new,
+        eos_token_id=[],
+        tree=tree,
+    )
+    assert torch.equal(out.sequences, reference)
+    steps = out.stats.row_steps.tolist()
+    assert min(steps) < max(steps), "every row ended at the same step: nothing drafted past"
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tree_block_keeps_accepted_path(arch: str, attn: str) -> None:

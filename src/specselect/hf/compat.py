@@ -239,6 +239,8 @@ class ModelHandle:
     dtype: torch.dtype  # activation dtype (for additive masks)
     keeps_logits: bool  # forward() takes logits_to_keep
     num_layers: int  # attention layers (one KV cache layer each)
+    # Positions a learned table embeds (None: no table); see position_limit.
+    position_limit: int | None = None
 
     @classmethod
     def of(cls, name: str, model: object) -> ModelHandle:
@@ -253,6 +255,7 @@ class ModelHandle:
             dtype=weight.dtype if weight is not None else torch.float32,
             keeps_logits=supports_logits_to_keep(module),
             num_layers=num_layers(module),
+            position_limit=position_limit(module),
         )
 
     def weak(self) -> ModelHandle:

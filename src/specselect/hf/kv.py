@@ -221,12 +221,19 @@ class ModelCache:
         itself, so no query row is fully masked: such rows come out as NaN in some kernels, and
         a NaN key or value would poison every row that "attends" to it with weight 0. Holes get
         position 0 (never attended, but learned position tables must be indexable).
+
+        Positions past a learned table's end are clamped to its last row. Only draft tokens a
+        row can never emit get there: the loop checks up front that every emitted token fits,
+        but a chain is as deep as the row with the most tokens left needs, so a row nearer its
+        end drafts past it (those tokens are never selected, their logits never read).
         """
         rows, width = block_valid.shape
         device = block_valid.device
         if depth is None:
             depth = block_valid.to(torch.int64).cumsum(dim=1) - 1
         positions = torch.where(block_valid, self.count[:rows].unsqueeze(1) + depth, 0)
+        if self.handle.position_limit is not None:
+            positions = positions.clamp_(max=self.handle.position_limit - 1)
         if block_mask is None:
             block_mask = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         itself = torch.eye(width, dtype=torch.bool, device=device)
