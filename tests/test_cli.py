@@ -323,6 +323,10 @@ def _bad_inputs(dirs: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
             ["--target", str(tmp / "noconfig"), "--draft", str(dirs["draft"]), *prompts],
             "no config.json",
         ),
+        "target without tokenizer": (
+            ["--target", str(dirs["draft"]), "--draft", str(dirs["draft"]), *prompts],
+            "(the target's: the tokenizer is read from there by default) holds no tokenizer",
+        ),
         "prompts required": (models, "--prompts is required"),
         "missing prompts": (
             [*models, "--prompts", str(tmp / "none.txt")],
@@ -378,6 +382,7 @@ BAD_CASES = [
     "missing target dir",
     "target without draft",
     "dir without config",
+    "target without tokenizer",
     "prompts required",
     "missing prompts",
     "empty prompts",
@@ -938,9 +943,9 @@ def test_profile_refuses_out_where_its_plot_goes(tmp_path: Path, name: str) -> N
 def test_replay_records_the_traces_device_and_dtype(
     compare_run: dict, tmp_path: Path, recorded_device: bool
 ) -> None:
-    """Replaying --traces alone loads no model, so --device/--dtype did not apply: the Setup
-    says what the traces were recorded with (no device for traces that do not say), and its
-    command re-runs as it was given, spaces in paths included."""
+    """Replaying --traces alone loads no model, so --device/--dtype do not apply (a warning
+    says so): the Setup says what the traces were recorded with (no device for traces that
+    do not say), and its command re-runs as it was given, spaces in paths included."""
     traces = load_traces(compare_run["out"] / "traces.pt")
     assert traces.meta["device"] == "cpu"
     if not recorded_device:  # traces from before the device was recorded
@@ -952,6 +957,7 @@ def test_replay_records_the_traces_device_and_dtype(
         compare_run, out, "--dtype", "bfloat16", "--device", "cuda:3", traces=path
     )
     assert code == 0, stderr
+    assert "warning: --device cuda:3 and --dtype bfloat16 ignored: --traces" in stderr
     meta = json.loads((out / "results.json").read_text(encoding="utf-8"))["meta"]
     assert meta["dtype"] == "float32" == meta["models"]["target"]["dtype"]
     assert meta.get("device") == ("cpu" if recorded_device else None)

@@ -26,6 +26,7 @@ from hf_models import (
 )
 from specselect import make_selector
 from specselect.hf import speculative_generate
+from specselect.replay import OracleSelector
 
 VOCAB = 128
 
@@ -149,6 +150,20 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
     ),
     ("float ids", "input_ids", lambda m: torch.zeros(4, 6), TypeError, "input_ids"),
     (
+        "meta ids",
+        "input_ids",
+        lambda m: torch.zeros(4, 6, dtype=torch.int64, device="meta"),
+        ValueError,
+        "input_ids is on the meta device",
+    ),
+    (
+        "meta mask",
+        "attention_mask",
+        lambda m: torch.ones(4, 6, dtype=torch.int64, device="meta"),
+        ValueError,
+        "attention_mask is on the meta device",
+    ),
+    (
         "ids out of range",
         "input_ids",
         lambda m: torch.full((4, 6), VOCAB),
@@ -156,6 +171,7 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
         r"input_ids must be token ids in \[0, 128\)",
     ),
     ("max_new_tokens < 0", "max_new_tokens", lambda m: -1, ValueError, "max_new_tokens"),
+    ("max_new_tokens 0", "max_new_tokens", lambda m: 0, ValueError, "max_new_tokens must be >= 1"),
     ("max_new_tokens float", "max_new_tokens", lambda m: 2.5, TypeError, "max_new_tokens"),
     (
         "mask wrong shape",
@@ -253,6 +269,7 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
         "do_sample must be a bool",
     ),
     ("tokenizer without len", "tokenizer", lambda m: 5, TypeError, "tokenizer must be"),
+    ("oracle", "selector", lambda m: OracleSelector(3), TypeError, "OracleSelector is replay-only"),
     (
         "length penalty config",
         "generation_config",
@@ -273,6 +290,13 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
         lambda m: GenerationConfig(max_time=60.0),
         ValueError,
         "max_time",
+    ),
+    (
+        "scores output",
+        "generation_config",
+        lambda m: GenerationConfig(output_scores=True, return_dict_in_generate=True),
+        ValueError,
+        r"output_scores=True .* returns the sequences and its own statistics only",
     ),
     (
         "top_h when sampling",
@@ -365,6 +389,16 @@ def test_sampling_only_warpers_do_not_block_greedy_decoding(models) -> None:
     assert call(models, generation_config=config).sequences.shape == (4, 6 + 4)
     with pytest.raises(ValueError, match=r"top_h=0\.5"):
         call(models, generation_config=config, do_sample=True)
+
+
+def test_sampling_options_of_a_greedy_call_warn(models) -> None:
+    """Greedy decoding ignores temperature, top-k and top-p, and says so as generate() does;
+    the global defaults (and None) are silent."""
+    with pytest.warns(UserWarning, match=r"temperature=0\.5, top_p=0\.1 only apply when sampling"):
+        call(models, temperature=0.5, top_p=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(models, temperature=1.0, top_k=50, top_p=1.0)
 
 
 def test_prompt_ending_in_pad_without_mask_raises(models) -> None:

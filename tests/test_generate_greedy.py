@@ -504,7 +504,9 @@ def test_more_architectures(arch: str) -> None:
     assert out.stats.totals.vsr > 0.3
 
 
-@pytest.mark.parametrize("tree", [None, TreeSpec(depth=6, branch=2, width=2)], ids=["chain", "tree"])
+@pytest.mark.parametrize(
+    "tree", [None, TreeSpec(depth=6, branch=2, width=2)], ids=["chain", "tree"]
+)
 @pytest.mark.parametrize("arch", ["gpt2", "opt"])
 def test_runs_to_the_end_of_a_learned_position_table(arch: str, tree: TreeSpec | None) -> None:
     """Prompt plus new tokens fill a learned position table exactly. Rows that accept more

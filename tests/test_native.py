@@ -144,6 +144,16 @@ def test_loader_can_be_disabled(fresh_loader: None, monkeypatch: pytest.MonkeyPa
     assert not native.usable_for(torch.rand(2, 2), None)
 
 
+def test_an_unknown_setting_warns_and_keeps_the_default(
+    fresh_loader: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("SPECSELECT_NATIVE", "maybe")
+    with caplog.at_level(logging.WARNING, logger=native._LOG.name):
+        native.available()
+    assert "SPECSELECT_NATIVE='maybe' is neither on" in caplog.text
+    assert "disabled" not in native.status()
+
+
 def garbling_compiler(tmp_path: Path) -> str:
     """A compiler that fails with a message no text encoding decodes (bytes 0xff 0xfe)."""
     script = tmp_path / "garbling-cc"

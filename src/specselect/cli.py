@@ -632,6 +632,8 @@ def obtain_traces(args: argparse.Namespace, max_k: int) -> tuple[Traces, Inputs 
         with _as_usage_error():  # the shape first: a mismatch is found before loading models
             reuse_traces(traces, max_k=max_k, max_new_tokens=args.max_new_tokens, name=name)
         inputs = load_inputs(args) if _names_inputs(args) else None
+        if inputs is None:
+            _warn_unused_model_options(args, name)
         return _requests_to_use(traces, path, inputs, args, max_k), inputs
     if path is not None:  # before recording, not after: the recording would be lost
         check_writable_dir(f"--traces {str(path)!r}", path.parent)
@@ -652,6 +654,24 @@ def obtain_traces(args: argparse.Namespace, max_k: int) -> tuple[Traces, Inputs 
     except OSError as exc:
         raise UsageError(f"{option}: cannot write {str(target)!r}: {_reason(exc)}") from None
     return traces, inputs
+
+
+def _warn_unused_model_options(args: argparse.Namespace, name: str) -> None:
+    """Say so when ``--device``/``--dtype`` ask for something a replay of traces, which loads
+    no model, does not do (the report records the traces' own device and dtype)."""
+    given = [
+        f"{option} {value}"
+        for option, value, default in (
+            ("--device", args.device, "cpu"),
+            ("--dtype", args.dtype, "float32"),
+        )
+        if value != default
+    ]
+    if given:
+        _warn(
+            f"{' and '.join(given)} ignored: {name} is replayed without loading the models "
+            "(the report gives the device and dtype the traces were recorded with)"
+        )
 
 
 def _load_traces_arg(path: Path) -> Traces:

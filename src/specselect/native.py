@@ -176,10 +176,21 @@ def _load() -> None:
                 _LOG.warning("specselect: %s", _State.reason)
 
 
+_OFF = frozenset({"0", "false", "no", "off"})  # SPECSELECT_NATIVE values that disable the kernel
+_ON = frozenset({"", "1", "true", "yes", "on"})
+
+
 def _find_kernel() -> tuple[Callable[..., int] | None, str]:
     """The kernel function and a status line, or ``None`` and why there is none."""
-    if os.environ.get("SPECSELECT_NATIVE", "1").strip().lower() in {"0", "false", "no", "off"}:
+    setting = os.environ.get("SPECSELECT_NATIVE", "1").strip().lower()
+    if setting in _OFF:
         return None, "disabled by SPECSELECT_NATIVE=0; using the PyTorch kernel"
+    if setting not in _ON:
+        _LOG.warning(
+            "specselect: SPECSELECT_NATIVE=%r is neither on (1, true, yes, on) nor off (0, "
+            "false, no, off); using the fused kernel, the default",
+            os.environ["SPECSELECT_NATIVE"],
+        )
     try:
         library = _build()
         try:

@@ -178,6 +178,9 @@ class Selector(abc.ABC):
     grid_extra: ClassVar[bool] = False
     """Whether :meth:`grid_kwargs` depends on ``extra``: a grid then holds one configuration per
     ``extra`` and labels it with it; otherwise one configuration stands for every ``extra``."""
+    replay_only: ClassVar[bool] = False
+    """Whether it selects with what only replay knows (the oracle's true run lengths): a
+    decoding loop refuses it up front."""
     estimator: AcceptanceEstimator | None = None  # set by selectors that take one
 
     def __init__(self) -> None:

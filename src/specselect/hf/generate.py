@@ -189,6 +189,12 @@ def speculative_generate(
         raise TypeError(
             f"selector must be a specselect Selector or None, got {type(selector).__name__}"
         )
+    if selector is not None and selector.replay_only:
+        raise TypeError(
+            f"selector {type(selector).__name__} is replay-only: it selects with each "
+            "request's true acceptance, which only replay (specselect.replay) knows; "
+            "speculative_generate needs a selector that decides from the draft's side"
+        )
     cache_slack = check_int("cache_slack", cache_slack)
     check_tree_mode(tree, selector)
     options = resolve_options(
@@ -328,6 +334,12 @@ def check_prompts(
         raise ValueError("input_ids is an empty batch: expected shape [B, P] with B >= 1")
     if ids.shape[1] == 0:
         raise ValueError("input_ids has no tokens: expected shape [B, P] with P >= 1")
+    for name, tensor in (("input_ids", ids), ("attention_mask", attention_mask)):
+        if isinstance(tensor, Tensor) and tensor.is_meta:
+            raise ValueError(
+                f"{name} is on the meta device, which holds no data: pass real tokens (they "
+                f"move to the target's device, {target.device})"
+            )
     inferred = attention_mask is None and mask_pad_token_id is not None
     if attention_mask is None and mask_pad_token_id is None and ids.shape[0] > 1:
         warnings.warn(  # as generate() warns: padded rows would attend to their pads

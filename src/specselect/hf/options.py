@@ -14,6 +14,7 @@ output would then differ from ``generate``'s.
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,19 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "is_assistant": (None, False),
 }
 
+# Outputs generate() adds with return_dict_in_generate; the loop returns sequences and its own
+# statistics only.
+_UNSUPPORTED_OUTPUTS: dict[str, tuple[object, ...]] = {
+    "output_scores": (None, False),
+    "output_logits": (None, False),
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+}
+
+# Sampling options and their global defaults: a greedy call that sets another value gets the
+# warning generate() logs, since the value is ignored.
+_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
 # Warpers generate() applies only when sampling: they change nothing in greedy decoding, where
 # generate() ignores them too.
 _UNSUPPORTED_WHEN_SAMPLING: dict[str, tuple[object, ...]] = {
@@ -120,9 +134,12 @@ def resolve_options(
     do_sample = config.do_sample
     if not isinstance(do_sample, bool):
         raise TypeError(f"do_sample must be a bool, got {type(do_sample).__name__}")
-    _reject_unsupported(config, _UNSUPPORTED)
+    _reject_unsupported(config, _UNSUPPORTED, _NOT_A_DECODING_MODE)
+    _reject_unsupported(config, _UNSUPPORTED_OUTPUTS, _NOT_AN_OUTPUT)
     if do_sample:
-        _reject_unsupported(config, _UNSUPPORTED_WHEN_SAMPLING)
+        _reject_unsupported(config, _UNSUPPORTED_WHEN_SAMPLING, _NOT_A_DECODING_MODE)
+    else:
+        _warn_ignored_sampling_options(config)
     eos = _token_ids("eos_token_id", config.eos_token_id)
     pad = config.pad_token_id
     pad = None if pad is None else check_int("pad_token_id", pad)
@@ -170,8 +187,8 @@ def _max_new_tokens(config: GenerationConfig, explicit_max_length: bool, prompt_
 
     An explicit ``max_length`` that leaves no room after the prompt raises, as in ``generate``.
     """
-    if config.max_new_tokens is not None:
-        return check_int("max_new_tokens", config.max_new_tokens)
+    if config.max_new_tokens is not None:  # >= 1, as in generate()
+        return check_int("max_new_tokens", config.max_new_tokens, minimum=1)
     if config.max_length is None:
         return DEFAULT_MAX_NEW_TOKENS
     max_length = check_int("max_length", config.max_length)
@@ -206,7 +223,18 @@ def _token_ids(name: str, value: object) -> tuple[int, ...]:
     return tuple(check_int(name, v) for v in items)
 
 
-def _reject_unsupported(config: GenerationConfig, fields: dict[str, tuple[object, ...]]) -> None:
+_NOT_A_DECODING_MODE = (
+    "which implements greedy decoding and sampling with temperature/top-k/top-p only"
+)
+_NOT_AN_OUTPUT = (
+    "which returns the sequences and its own statistics only (no scores, logits, attentions "
+    "or hidden states)"
+)
+
+
+def _reject_unsupported(
+    config: GenerationConfig, fields: dict[str, tuple[object, ...]], why: str
+) -> None:
     """Raise for the first field of ``fields`` whose value is not one of its neutral values.
 
     The value may come from the target's ``generation_config`` rather than the caller's, so the
@@ -217,9 +245,24 @@ def _reject_unsupported(config: GenerationConfig, fields: dict[str, tuple[object
         if not any(value is n or value == n for n in neutral):
             raise ValueError(
                 f"generation_config.{field}={value!r} is not supported by speculative_generate, "
-                "which implements greedy decoding and sampling with temperature/top-k/top-p "
-                f"only: {_switch_off_hint(field, neutral[-1])}"
+                f"{why}: {_switch_off_hint(field, neutral[-1])}"
             )
+
+
+def _warn_ignored_sampling_options(config: GenerationConfig) -> None:
+    """Warn, as ``generate`` does, when greedy decoding is given sampling options it ignores."""
+    ignored = [
+        f"{field}={getattr(config, field)!r}"
+        for field, default in _SAMPLING_DEFAULTS.items()
+        if getattr(config, field) not in (None, default)
+    ]
+    if ignored:
+        warnings.warn(
+            f"{', '.join(ignored)} only apply when sampling; do_sample is False, so they are "
+            "ignored, as in generate() (pass do_sample=True to sample)",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _switch_off_hint(field: str, neutral: object) -> str:

@@ -51,6 +51,7 @@ class OracleSelector(Selector):
 
     name = "oracle"
     grid_extra = True
+    replay_only = True
 
     def __init__(self, k: int, extra: int = 2, budget: int | None = None) -> None:
         super().__init__()
