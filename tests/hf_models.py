@@ -44,7 +44,8 @@ def tiny_model(
     positions: int = 2048,
 ) -> PreTrainedModel:
     """A random causal LM of family ``arch`` (see ``ARCHS`` and ``MORE_ARCHS``); ``positions``
-    is the length of GPT-2's and OPT's learned position tables (and Llama's nominal context)."""
+    is the length of GPT-2's and OPT's learned position tables (and Llama's nominal context;
+    Qwen2 and Mistral keep their configs' defaults)."""
     torch.manual_seed(seed)
     ids = {"pad_token_id": PAD_ID, "eos_token_id": EOS_ID, "bos_token_id": BOS_ID}
     if arch == "llama":

@@ -391,14 +391,18 @@ def test_sampling_only_warpers_do_not_block_greedy_decoding(models) -> None:
         call(models, generation_config=config, do_sample=True)
 
 
-def test_sampling_options_of_a_greedy_call_warn(models) -> None:
+def test_sampling_arguments_of_a_greedy_call_warn(models) -> None:
     """Greedy decoding ignores temperature, top-k and top-p, and says so as generate() does;
-    the global defaults (and None) are silent."""
+    the global defaults (and None) are silent, and so are values from a GenerationConfig,
+    which transformers validates (and logs about) itself."""
     with pytest.warns(UserWarning, match=r"temperature=0\.5, top_p=0\.1 only apply when sampling"):
         call(models, temperature=0.5, top_p=0.1)
+    with pytest.warns(UserWarning, match=r"top_k=7 only applies when sampling; .* it is ignored"):
+        call(models, top_k=7)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         call(models, temperature=1.0, top_k=50, top_p=1.0)
+        call(models, generation_config=GenerationConfig(temperature=0.5))
 
 
 def test_prompt_ending_in_pad_without_mask_raises(models) -> None:

@@ -212,7 +212,7 @@ def test_cheapest_per_row_ranks_float64_costs_in_float64(costs: list[float], che
 def test_cheapest_per_row_matches_sorted_order(data: st.DataObject) -> None:
     """Each row's ``count`` cheapest costs (NaN of either sign and +inf never), ties by column,
     from values that are close, equal, signed zeros, infinite or beyond float32's range, in
-    float64 and in the narrower dtypes (ranked as their own values)."""
+    float64, float32 and float16 (each ranked as its own values)."""
     rows = data.draw(st.integers(1, 4), label="rows")
     cols = data.draw(st.integers(1, 6), label="cols")
     near = [1.0, 1.0 + 2**-40, 1.0 - 2**-40, 1e-46, 2e-46, 1e39, -1e39, 0.0, -0.0]

@@ -54,6 +54,7 @@ from specselect.selectors.goodput import GOODPUT
 
 EXIT_USAGE = 2
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_DEVICE, DEFAULT_DTYPE = "cpu", "float32"  # --device and --dtype of compare and profile
 SHIPPED = "shipped tiny pair"
 PLOT_SUFFIX = ".png"
 """``profile`` writes its plot next to ``--out``, with this suffix."""
@@ -312,12 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: chains only)",
     )
     run.add_argument(
-        "--device", default="cpu", help="torch device for the models (default: %(default)s)"
+        "--device",
+        default=DEFAULT_DEVICE,
+        help="torch device for the models (default: %(default)s)",
     )
     run.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
-        default="float32",
+        default=DEFAULT_DTYPE,
         help="model dtype (default: %(default)s)",
     )
     run.add_argument(
@@ -387,12 +390,12 @@ def _add_profile_parser(commands: Any) -> None:
         help="local HF model directory of the draft (default: the shipped tiny pair)",
     )
     profile.add_argument(
-        "--device", default="cpu", help="torch device to time on (default: %(default)s)"
+        "--device", default=DEFAULT_DEVICE, help="torch device to time on (default: %(default)s)"
     )
     profile.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
-        default="float32",
+        default=DEFAULT_DTYPE,
         help="model dtype (default: %(default)s)",
     )
     grids = [
@@ -662,8 +665,8 @@ def _warn_unused_model_options(args: argparse.Namespace, name: str) -> None:
     given = [
         f"{option} {value}"
         for option, value, default in (
-            ("--device", args.device, "cpu"),
-            ("--dtype", args.dtype, "float32"),
+            ("--device", args.device, DEFAULT_DEVICE),
+            ("--dtype", args.dtype, DEFAULT_DTYPE),
         )
         if value != default
     ]

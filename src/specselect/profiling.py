@@ -94,8 +94,8 @@ def measure_samples(
         _move(model, device, dtype)
     handles = {name: ModelHandle.of(name, model) for name, model in models.items()}
     longest = max(context_grid) + max(width_grid)
-    for name, model in models.items():
-        check_context_fits(name, model, longest)
+    for name, handle in handles.items():
+        check_context_fits(name, handle, longest)
     check_memory(
         _memory_needs(handles, batches, width_grid, max(context_grid)),
         f"profiling at context {max(context_grid)} with batch sizes {batches} (the caches of "

@@ -99,8 +99,9 @@ def sliding_window(model: nn.Module) -> int | None:
     return int(window)
 
 
-def check_context_fits(name: str, model: nn.Module, longest: int) -> None:
-    """Raise if a row of ``longest`` tokens (prompt + new tokens) exceeds what ``model`` serves.
+def check_context_fits(name: str, handle: ModelHandle, longest: int) -> None:
+    """Raise if a row of ``longest`` tokens (prompt + new tokens) exceeds what the model of
+    ``handle`` serves.
 
     Two limits: a learned table of absolute positions (GPT-2's ``n_positions``, OPT's
     ``max_position_embeddings``) cannot embed positions past its end, and a sliding window
@@ -108,14 +109,14 @@ def check_context_fits(name: str, model: nn.Module, longest: int) -> None:
     carry no window, so a row must stay within the window to see what ``generate`` sees.
     (Rotary models have no table and extrapolate, as they do under ``generate``.)
     """
-    limit = position_limit(model)
+    limit = handle.position_limit
     if limit is not None and longest > limit:
         raise ValueError(
             f"{name} embeds at most {limit} positions (learned absolute position embeddings), "
             f"but the longest prompt plus max_new_tokens needs {longest}: shorten the prompt or "
             "lower max_new_tokens"
         )
-    window = sliding_window(model)
+    window = sliding_window(handle.model)
     if window is not None and longest > window:
         raise ValueError(
             f"{name} uses sliding-window attention (window {window}); the loop attends with "

@@ -141,9 +141,11 @@ def speculative_generate(
         attention_mask: ``[B, P]`` 0/1; every row's last column must be 1. Default, as in
             ``generate``: ``input_ids != pad_token_id`` when the pad id is set and is not an EOS
             id, else all ones.
-        selector: any :class:`~specselect.selection.Selector` (it is ``reset()`` first), or
-            ``None`` for plain autoregressive decoding with the same caches and graphs.
-        max_new_tokens: new tokens per row (default: ``generation_config``'s, else 20).
+        selector: any :class:`~specselect.selection.Selector` (it is ``reset()`` first) but a
+            replay-only one (the oracle), or ``None`` for plain autoregressive decoding with
+            the same caches and graphs.
+        max_new_tokens: new tokens per row, at least 1 (default: ``generation_config``'s,
+            else 20).
         do_sample: sample instead of greedy decoding.
         temperature: sampling temperature, applied identically to both models (as are the
             next two).
@@ -219,7 +221,7 @@ def speculative_generate(
     longest = int(attention_mask.sum(dim=1).max()) + options.max_new_tokens
     for name, handle in (("target", t_handle), ("draft", d_handle)):
         if handle is not None:
-            check_context_fits(name, handle.model, longest)
+            check_context_fits(name, handle, longest)
     devices = [t_handle.device] + ([d_handle.device] if d_handle is not None else [])
     generators = split_generator(generator, *devices)
     mode = graph_mode(cuda_graphs, t_handle, d_handle, generators.values())
@@ -544,11 +546,10 @@ class _Loop:
         generator = workspace.generators[self.target.device]
         args = (state, runner, self.selector, self.options.sampling, generator, clock)
         step = ChainStep(*args) if self.tree is None else TreeStep(*args, tree=self.tree)
-        if self.options.max_new_tokens > 0:
-            start = time.perf_counter()
-            self._prefill(state, input_ids, attention_mask)
-            state.stats.prefill_seconds = time.perf_counter() - start
-            self._steps(state, step, progress)
+        start = time.perf_counter()
+        self._prefill(state, input_ids, attention_mask)
+        state.stats.prefill_seconds = time.perf_counter() - start
+        self._steps(state, step, progress)
         stats = state.stats
         seconds = dict(zip(PHASES, clock.totals(), strict=True))
         stats.draft_seconds, stats.select_seconds = seconds["draft"], seconds["select"]

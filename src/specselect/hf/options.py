@@ -83,9 +83,9 @@ _UNSUPPORTED_OUTPUTS: dict[str, tuple[object, ...]] = {
     "output_hidden_states": (None, False),
 }
 
-# Sampling options and their global defaults: a greedy call that sets another value gets the
-# warning generate() logs, since the value is ignored.
-_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+# The keyword arguments that only sampling reads: a greedy call given one (other than its
+# global default) is warned, as generate() warns, since it is ignored.
+_SAMPLING_ARGUMENTS = ("temperature", "top_k", "top_p")
 
 # Warpers generate() applies only when sampling: they change nothing in greedy decoding, where
 # generate() ignores them too.
@@ -139,7 +139,7 @@ def resolve_options(
     if do_sample:
         _reject_unsupported(config, _UNSUPPORTED_WHEN_SAMPLING, _NOT_A_DECODING_MODE)
     else:
-        _warn_ignored_sampling_options(config)
+        _warn_ignored_sampling_arguments(overrides)
     eos = _token_ids("eos_token_id", config.eos_token_id)
     pad = config.pad_token_id
     pad = None if pad is None else check_int("pad_token_id", pad)
@@ -235,7 +235,8 @@ _NOT_AN_OUTPUT = (
 def _reject_unsupported(
     config: GenerationConfig, fields: dict[str, tuple[object, ...]], why: str
 ) -> None:
-    """Raise for the first field of ``fields`` whose value is not one of its neutral values.
+    """Raise for the first field of ``fields`` whose value is not one of its neutral values,
+    saying ``why`` the loop does not support it (completing "... by speculative_generate,").
 
     The value may come from the target's ``generation_config`` rather than the caller's, so the
     message says so: leaving the field unset in the caller's config would inherit it again.
@@ -249,17 +250,25 @@ def _reject_unsupported(
             )
 
 
-def _warn_ignored_sampling_options(config: GenerationConfig) -> None:
-    """Warn, as ``generate`` does, when greedy decoding is given sampling options it ignores."""
+def _warn_ignored_sampling_arguments(overrides: dict[str, Any]) -> None:
+    """Warn, as ``generate`` does, when greedy decoding is given sampling arguments it ignores.
+
+    Only the keyword arguments: the values that come from a ``GenerationConfig``, the
+    caller's or the model's, were validated (and warned about) by transformers as they were
+    merged.
+    """
+    defaults = GenerationConfig._get_default_generation_params()
     ignored = [
-        f"{field}={getattr(config, field)!r}"
-        for field, default in _SAMPLING_DEFAULTS.items()
-        if getattr(config, field) not in (None, default)
+        f"{field}={overrides[field]!r}"
+        for field in _SAMPLING_ARGUMENTS
+        if overrides.get(field) is not None and overrides[field] != defaults.get(field)
     ]
     if ignored:
+        verb = "applies" if len(ignored) == 1 else "apply"
         warnings.warn(
-            f"{', '.join(ignored)} only apply when sampling; do_sample is False, so they are "
-            "ignored, as in generate() (pass do_sample=True to sample)",
+            f"{', '.join(ignored)} only {verb} when sampling; do_sample is False, so "
+            f"{'it is' if len(ignored) == 1 else 'they are'} ignored, as in generate() (pass "
+            "do_sample=True to sample)",
             UserWarning,
             stacklevel=4,
         )

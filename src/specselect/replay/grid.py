@@ -65,6 +65,12 @@ class SelectorConfig:
             parts.append(f"C={self.budget}")
         return " ".join(parts)
 
+    @property
+    def replay_only(self) -> bool:
+        """Whether its selector needs what only replay knows (the oracle): a live comparison
+        replays it instead of running it."""
+        return _selector_class(parse_spec(self.name)[0]).replay_only
+
     def build(self, cost_model: CostModel | None = None) -> Selector:
         """A fresh selector (the oracle, or a registered selector)."""
         base, estimator = parse_spec(self.name)

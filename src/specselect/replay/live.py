@@ -25,7 +25,6 @@ from specselect.cost import CostModel, default_cost_model
 from specselect.metrics import StepCounts, Totals
 from specselect.replay.engine import replay
 from specselect.replay.grid import SelectorConfig
-from specselect.replay.oracle import OracleSelector
 from specselect.replay.results import MEASURED, ResultRow
 from specselect.replay.traces import Traces, left_pad
 
@@ -145,11 +144,11 @@ def compare_live(
     live_totals(target, draft, prompt_ids[:slots], _WARM_UP, slots, _WARM_UP_TOKENS, cost_model)
     runs = _live_runs(configs, tree)
     batches = -(-len(prompt_ids) // slots)  # ceil
-    total = batches * sum(config.name != OracleSelector.name for config, _ in runs)
+    total = batches * sum(not config.replay_only for config, _ in runs)
     rows = []
     with tqdm(total=total, desc="live", unit="batch", disable=not progress, leave=False) as bar:
         for config, shape in runs:
-            if config.name == OracleSelector.name:
+            if config.replay_only:
                 rows.append(static_oracle_row(traces, config, slots, cost_model))
                 continue
             totals = live_totals(
@@ -180,7 +179,7 @@ def _live_runs(
         tree_key = (config.name, config.k, config.budget)
         if (
             tree is None
-            or config.name == OracleSelector.name
+            or config.replay_only
             or tree_key in trees_done
             or not config.build().supports_trees
         ):
