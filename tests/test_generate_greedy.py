@@ -75,7 +75,12 @@ def case(arch: str, seed: int):
         ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=[]
     )
     eos = pick_eos(free[:, MAX_PROMPT:])
-    reference = target.generate(
+    return target, draft, ids, mask, eos, greedy_reference(target, ids, mask, eos)
+
+
+def greedy_reference(target, ids: torch.Tensor, mask: torch.Tensor, eos: object) -> torch.Tensor:
+    """``generate()``'s greedy output, ``MAX_NEW`` tokens, the tiny models' pad id."""
+    return target.generate(
         ids,
         attention_mask=mask,
         do_sample=False,
@@ -83,7 +88,6 @@ def case(arch: str, seed: int):
         eos_token_id=eos,
         pad_token_id=PAD_ID,
     )
-    return target, draft, ids, mask, eos, reference
 
 
 def pick_eos(continuations: torch.Tensor) -> int:  # [B, MAX_NEW]

@@ -44,7 +44,7 @@ from specselect.hf.generate import (
 )
 from specselect.hf.graphs import StageRunner
 from specselect.hf.steps import Step
-from test_generate_greedy import MAX_NEW, NOISE, VOCAB, case
+from test_generate_greedy import MAX_NEW, NOISE, VOCAB, case, greedy_reference
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -621,15 +621,7 @@ def test_graphs_match_eager_mode_beyond_fp32_llama(
     assert graphed.stats.captures > 0
     assert torch.equal(graphed.sequences, eager.sequences)
     if dtype == torch.float32:
-        reference = target.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=MAX_NEW,
-            eos_token_id=EOS_ID,
-            pad_token_id=PAD_ID,
-            do_sample=False,
-        )
-        assert torch.equal(eager.sequences, reference)
+        assert torch.equal(eager.sequences, greedy_reference(target, ids, mask, EOS_ID))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -810,15 +802,7 @@ def cuda_case(rows: int):
     target, draft = (copy.deepcopy(m).cuda() for m in (target, draft))
     tiles = -(-rows // ids.shape[0])
     ids, mask = (t.repeat(tiles, 1)[:rows].cuda() for t in (ids, mask))
-    reference = target.generate(
-        ids,
-        attention_mask=mask,
-        do_sample=False,
-        max_new_tokens=MAX_NEW,
-        eos_token_id=eos,
-        pad_token_id=PAD_ID,
-    )
-    return target, draft, ids, mask, eos, reference
+    return target, draft, ids, mask, eos, greedy_reference(target, ids, mask, eos)
 
 
 @needs_cuda
