@@ -21,6 +21,7 @@ import specselect.models as models
 from specselect.models import (
     PAIR_PARTS,
     TINY_PAIR_DIR,
+    load_models,
     load_pair,
     load_prompts,
     load_tiny_pair,
@@ -196,6 +197,28 @@ def test_load_pair_reads_the_shipped_layout(pair: tuple) -> None:
 def test_bad_arguments(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         load_tiny_pair(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "files",
+    [[], ["config.json"], ["vocab.txt"], ["spiece.model"], ["merges.txt", "vocab.json"]],
+    ids=["empty", "config-only", "bert-vocab", "sentencepiece", "bpe"],
+)
+def test_a_directory_without_tokenizer_files_is_named(tmp_path: Path, files: list[str]) -> None:
+    """load_models refuses a tokenizer directory with no tokenizer file before loading
+    anything (some transformers releases build a tokenizer of a few tokens from the config
+    alone), and accepts every kind of saved tokenizer file."""
+    for name in files:
+        (tmp_path / name).write_text("{}", encoding="utf-8")
+    if any(name != "config.json" for name in files):
+        models._check_tokenizer_files(tmp_path, given=True)  # no error
+        return
+    with pytest.raises(OSError, match=r"holds no tokenizer files \(none of tokenizer\*"):
+        load_models(tmp_path, tmp_path)
+    with pytest.raises(OSError, match="the target's: the tokenizer is read from there"):
+        load_models(tmp_path, tmp_path)
+    with pytest.raises(OSError, match=r"^(?!.*the target's)"):
+        load_models(tmp_path, tmp_path, tokenizer=tmp_path)
 
 
 @torch.no_grad()

@@ -106,22 +106,27 @@ def _check_device(device: object) -> torch.device:
 # --------------------------------------------------------------------------------------------
 
 
-#: Files one of which a saved HF tokenizer directory holds (the common ones: others exist,
-#: which is why they only explain a failure, never cause one).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+#: Names of the files a saved tokenizer keeps, one of which every saved HF tokenizer has:
+#: ``tokenizer.json``, ``tokenizer_config.json``, ``tokenizer.model``, ``vocab.json`` or
+#: ``vocab.txt``, ``merges.txt``, a sentencepiece ``*.model`` (``spiece.model``, ...), a
+#: ``*.tiktoken`` file.
+TOKENIZER_FILES = ("tokenizer*", "vocab.*", "merges.txt", "*.model", "*.tiktoken")
 
 
-def _explain_missing_tokenizer(directory: str | Path, given: bool, error: Exception) -> None:
-    """After ``AutoTokenizer`` failed: raise ``OSError`` naming the directory when it holds
-    none of :data:`TOKENIZER_FILES` (transformers' own message then blames missing
-    sentencepiece or tiktoken packages); else return, and the caller re-raises ``error``."""
+def _check_tokenizer_files(directory: str | Path, given: bool) -> None:
+    """Raise ``OSError`` naming the directory when it exists but holds no tokenizer file
+    (:data:`TOKENIZER_FILES`). transformers then either blames missing sentencepiece or
+    tiktoken packages or, in some 5.x releases, builds a tokenizer of a few tokens from the
+    model's config alone, which would tokenize every prompt wrongly without a word."""
     path = Path(directory)
-    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+    if path.is_dir() and not any(
+        match.is_file() for pattern in TOKENIZER_FILES for match in path.glob(pattern)
+    ):
         where = "" if given else " (the target's: the tokenizer is read from there by default)"
         raise OSError(
             f"{str(path)!r}{where} holds no tokenizer files (none of "
             f"{', '.join(TOKENIZER_FILES)}): save the tokenizer there with save_pretrained"
-        ) from error
+        )
 
 
 def load_models(
@@ -161,11 +166,8 @@ def load_models(
         options["attn_implementation"] = attn_implementation
     # The tokenizer first: it loads in milliseconds, so a wrong directory fails before the models.
     tokenizer_dir = target if tokenizer is None else tokenizer
-    try:
-        loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        _explain_missing_tokenizer(tokenizer_dir, given=tokenizer is not None, error=exc)
-        raise
+    _check_tokenizer_files(tokenizer_dir, given=tokenizer is not None)
+    loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     loaded = [
         AutoModelForCausalLM.from_pretrained(path, **options)
         # transformers decorates PreTrainedModel.to with functools.wraps, whose typeshed stub
