@@ -178,25 +178,7 @@ def speculative_generate(
     Returns:
         :class:`SpeculativeOutput` with ``sequences`` and :class:`GenerationStats`.
     """
-    t_handle = ModelHandle.of("target", target)
-    d_handle = None if selector is None else ModelHandle.of("draft", draft)
-    if tokenizer is not None and not isinstance(tokenizer, Sized):
-        raise TypeError(
-            "tokenizer must be a tokenizer (or any object with a len(): the shared vocabulary "
-            f"size) or None, got {type(tokenizer).__name__}"
-        )
-    if d_handle is not None:
-        check_pair(t_handle.model, d_handle.model, tokenizer)
-    if selector is not None and not isinstance(selector, Selector):
-        raise TypeError(
-            f"selector must be a specselect Selector or None, got {type(selector).__name__}"
-        )
-    if selector is not None and selector.replay_only:
-        raise TypeError(
-            f"selector {type(selector).__name__} is replay-only: it selects with each "
-            "request's true acceptance, which only replay (specselect.replay) knows; "
-            "speculative_generate needs a selector that decides from the draft's side"
-        )
+    t_handle, d_handle = _checked_models(target, draft, selector, tokenizer)
     cache_slack = check_int("cache_slack", cache_slack)
     check_tree_mode(tree, selector)
     options = resolve_options(
@@ -251,6 +233,33 @@ def speculative_generate(
             fall_back=cuda_graphs is None,
         )
         return loop.run(input_ids, attention_mask, progress)
+
+
+def _checked_models(
+    target: object, draft: object, selector: object, tokenizer: object
+) -> tuple[ModelHandle, ModelHandle | None]:
+    """The models' handles (the draft's only with a selector), after the checks that need
+    no prompt: the selector's kind, the tokenizer's type, the vocabulary the pair shares."""
+    if selector is not None and not isinstance(selector, Selector):
+        raise TypeError(
+            f"selector must be a specselect Selector or None, got {type(selector).__name__}"
+        )
+    if selector is not None and selector.replay_only:
+        raise TypeError(
+            f"selector {type(selector).__name__} is replay-only: it selects with each "
+            "request's true acceptance, which only replay (specselect.replay) knows; "
+            "speculative_generate needs a selector that decides from the draft's side"
+        )
+    t_handle = ModelHandle.of("target", target)
+    d_handle = None if selector is None else ModelHandle.of("draft", draft)
+    if tokenizer is not None and not isinstance(tokenizer, Sized):
+        raise TypeError(
+            "tokenizer must be a tokenizer (or any object with a len(): the shared vocabulary "
+            f"size) or None, got {type(tokenizer).__name__}"
+        )
+    if d_handle is not None:
+        check_pair(t_handle.model, d_handle.model, tokenizer)
+    return t_handle, d_handle
 
 
 def graph_mode(
