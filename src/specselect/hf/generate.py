@@ -577,20 +577,7 @@ class _Loop:
         capture = self.selector.capture_key if graphs and self.selector is not None else None
         batch, prompt = input_ids.shape
         layout = self._layout(batch, prompt, graphs)
-        key = (
-            self.mode,
-            self.target.facts(),
-            None if self.draft is None else self.draft.facts(),
-            self.tree,
-            self.options.sampling,
-            # Graphs record the weights' addresses: a model whose weights moved (to the CPU
-            # and back, another dtype and back) must not replay them.
-            weight_addresses(self.target.model),
-            None if self.draft is None else weight_addresses(self.draft.model),
-            # Which devices draw from a generator of their own (the workspace's: see
-            # _Workspace.generators), not which generator: a new one per call replays too.
-            *(g is not None for g in self.generators.values()),
-        )
+        key = self._workspace_key()
         draft = None if self.draft is None else self.draft.model
         kept = _WORKSPACES.get(self.target.model) if graphs else None
         busy = kept is not None and not kept.lock.acquire(blocking=False)
@@ -611,10 +598,39 @@ class _Loop:
             kept = None
             gc.collect()
         self._check_memory(layout, prompt)
-        # The state holds the models weakly: a kept workspace must not keep them alive.
-        # Graph mode (one device) draws from generators of the workspace's own; eager mode,
-        # which keeps nothing, from the caller's (one per device type: a draft and a target on
-        # two GPUs share it, and their draws must not repeat each other's).
+        workspace = self._new_workspace(key, layout)
+        workspace.lock.acquire()
+        if graphs and not busy:
+            _WORKSPACES[self.target.model] = workspace
+            workspace.retain(capture)
+        return workspace
+
+    def _workspace_key(self) -> tuple[Any, ...]:
+        """What a kept workspace must have been made for to serve this call."""
+        return (
+            self.mode,
+            self.target.facts(),
+            None if self.draft is None else self.draft.facts(),
+            self.tree,
+            self.options.sampling,
+            # Graphs record the weights' addresses: a model whose weights moved (to the CPU
+            # and back, another dtype and back) must not replay them.
+            weight_addresses(self.target.model),
+            None if self.draft is None else weight_addresses(self.draft.model),
+            # Which devices draw from a generator of their own (the workspace's: see
+            # _Workspace.generators), not which generator: a new one per call replays too.
+            *(g is not None for g in self.generators.values()),
+        )
+
+    def _new_workspace(self, key: tuple[Any, ...], layout: Layout) -> _Workspace:
+        """A workspace for ``layout``: state, drafter, stage runner and generators.
+
+        The state holds the models weakly: a kept workspace must not keep them alive. Graph
+        mode (one device) draws from generators of the workspace's own; eager mode, which
+        keeps nothing, from the caller's (one per device type: a draft and a target on two
+        GPUs share it, and their draws must not repeat each other's).
+        """
+        graphs = self.mode != "eager"
         generators = self.generators
         if graphs:
             generators = {
@@ -629,13 +645,8 @@ class _Loop:
             fall_back=self.fall_back,
             device=self.target.device,
         )
-        draft_ref = None if draft is None else weakref.ref(draft)
-        workspace = _Workspace(key, draft_ref, state, runner, generators)
-        workspace.lock.acquire()
-        if graphs and not busy:
-            _WORKSPACES[self.target.model] = workspace
-            workspace.retain(capture)
-        return workspace
+        draft_ref = None if self.draft is None else weakref.ref(self.draft.model)
+        return _Workspace(key, draft_ref, state, runner, generators)
 
     def _layout(self, batch: int, prompt: int, graphs: bool) -> Layout:
         """What this call needs allocated: slots for its bucket, cache columns for the longest
