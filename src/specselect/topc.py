@@ -153,10 +153,10 @@ def cheapest_per_row(costs: Tensor, count: int) -> Tensor:
     cols = costs.shape[1]
     if count <= 0 or cols == 0:
         return torch.zeros(costs.shape, dtype=torch.bool, device=costs.device)
+    if count >= cols:
+        return costs < float("inf")  # False for NaN too
     # NaN is never selected, like +inf (a NaN's sign bit would rank it first).
     costs = costs.masked_fill(costs.isnan(), float("inf"))
-    if count >= cols:
-        return costs < float("inf")
     if costs.dtype == torch.float64:
         # No spare bits for positions, and rounding to float32 would tie distinct costs (and
         # turn those beyond its range into +inf): threshold and tie pass in float64.

@@ -83,6 +83,16 @@ _UNSUPPORTED_OUTPUTS: dict[str, tuple[object, ...]] = {
     "output_hidden_states": (None, False),
 }
 
+# Why _reject_unsupported refuses a field of each table (completing "... by
+# speculative_generate,").
+_NOT_A_DECODING_MODE = (
+    "which implements greedy decoding and sampling with temperature/top-k/top-p only"
+)
+_NOT_AN_OUTPUT = (
+    "which returns the sequences and its own statistics only (no scores, logits, attentions "
+    "or hidden states)"
+)
+
 # The keyword arguments that only sampling reads: a greedy call given one (other than its
 # global default) is warned, as generate() warns, since it is ignored.
 _SAMPLING_ARGUMENTS = ("temperature", "top_k", "top_p")
@@ -221,15 +231,6 @@ def _token_ids(name: str, value: object) -> tuple[int, ...]:
         value = value.reshape(-1).tolist()
     items = value if isinstance(value, (list, tuple)) else [value]
     return tuple(check_int(name, v) for v in items)
-
-
-_NOT_A_DECODING_MODE = (
-    "which implements greedy decoding and sampling with temperature/top-k/top-p only"
-)
-_NOT_AN_OUTPUT = (
-    "which returns the sequences and its own statistics only (no scores, logits, attentions "
-    "or hidden states)"
-)
 
 
 def _reject_unsupported(
