@@ -13,11 +13,13 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+import threading
 
 import pytest
 import torch
 
 from conftest import OneDevicePerOp, random_logprobs
+from specselect._checks import trusted_values
 from specselect.selection import Selection, Selector
 from specselect.selectors import SELECTORS
 from specselect.tree import available_nodes, chain_parents
@@ -145,6 +147,34 @@ def test_bad_logprobs_raise(name: str) -> None:
     for value, error in cases:
         with pytest.raises(error, match="draft_logprobs"):
             selector.select(value)  # type: ignore[arg-type]
+
+
+def test_a_threads_trusted_block_leaves_other_threads_checks_on() -> None:
+    """``trusted_values`` (a loop skipping checks of its own tensors) holds in its thread only:
+    two threads entering and leaving in crossed order must not leave checks off for anyone
+    (a process-wide flag restored out of order did)."""
+    entered, left = threading.Barrier(2), threading.Barrier(2)
+    first_out = threading.Event()
+
+    def loop(leaves_first: bool) -> None:
+        with trusted_values():
+            entered.wait()
+            if not leaves_first:
+                first_out.wait()
+        if leaves_first:
+            first_out.set()
+        left.wait()
+
+    threads = [threading.Thread(target=loop, args=(first,)) for first in (True, False)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    bad = torch.tensor([[math.nan, -0.5]])
+    with pytest.raises(ValueError, match="draft_logprobs"):
+        SELECTORS["fixed"](k=2).select(bad)
+    with trusted_values():  # and the block still skips them in its own thread
+        SELECTORS["fixed"](k=2).select(bad)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -9,6 +9,7 @@ and, on accelerators, only when :func:`set_device_value_checks` turned them on f
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import numbers
 from collections.abc import Iterator
@@ -19,7 +20,9 @@ from torch._C._functorch import is_functorch_wrapped_tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 _DEVICE_VALUE_CHECKS = False
-_TRUSTED = False
+# Per thread (and per asyncio task): one thread's loop leaving its block must not turn the
+# checks back on, or leave them off, for another thread's calls.
+_TRUSTED: contextvars.ContextVar[bool] = contextvars.ContextVar("trusted_values", default=False)
 
 
 def set_device_value_checks(enabled: bool) -> None:
@@ -39,12 +42,11 @@ def trusted_values() -> Iterator[None]:
     Argument checks exist for callers' tensors; in a decoding loop they would only re-read (and,
     on the CPU, spend time on) values the loop computed. Shape and dtype checks still run.
     """
-    global _TRUSTED
-    before, _TRUSTED = _TRUSTED, True
+    token = _TRUSTED.set(True)
     try:
         yield
     finally:
-        _TRUSTED = before
+        _TRUSTED.reset(token)
 
 
 def readable_eagerly(t: Tensor) -> bool:
@@ -65,7 +67,11 @@ def readable_eagerly(t: Tensor) -> bool:
 def _values_checkable(t: Tensor) -> bool:
     """Whether reading ``t``'s values is cheap and possible: readable, on the CPU (or
     anywhere, if asked for)."""
-    return not _TRUSTED and readable_eagerly(t) and (t.device.type == "cpu" or _DEVICE_VALUE_CHECKS)
+    return (
+        not _TRUSTED.get()
+        and readable_eagerly(t)
+        and (t.device.type == "cpu" or _DEVICE_VALUE_CHECKS)
+    )
 
 
 def check_int(name: str, value: object, *, minimum: int = 0) -> int:
