@@ -368,7 +368,7 @@ def test_replay_matches_reference_stream(
 
 def test_replay_result_totals(random_run_traces: Traces) -> None:
     n, length = random_run_traces.runs.shape
-    result = replay(random_run_traces, paper_tetris(k=2, extra=2), slots=4)
+    result = replay(random_run_traces, paper_tetris(k=1, extra=3), slots=4)
     totals = result.totals
     assert totals == Totals.of(result.steps)
     assert totals.emitted == n * length  # every request emits exactly max_new_tokens
@@ -378,10 +378,16 @@ def test_replay_result_totals(random_run_traces: Traces) -> None:
     assert int(result.request_accepted.sum()) == totals.accepted
     assert len(result.accepted_per_step) == totals.steps == len(result.windows)
     assert sum(int(a.sum()) for a in result.accepted_per_step) == totals.accepted
-    # k + extra = 4 deep, but never deeper than the budget C = k * active: one active row can
-    # take only k = 2 tokens (a drafted third would be a wasted pass).
-    assert result.windows == [min(4, 2 * step.active) for step in result.steps]
-    assert 2 in result.windows  # the last request ran alone at some point
+    # k + extra = 4 deep, but never deeper than the budget C = k * active (three active rows
+    # take only 3 tokens: a drafted fourth would be a wasted pass), nor than any active
+    # request could still emit (its last token is the target's).
+    steps = list(iter_replay(random_run_traces, paper_tetris(k=1, extra=3), slots=4))
+    most_remaining = [length - int(s.positions[s.active].min()) for s in steps]
+    windows = [
+        min(4, s.counts.active, left - 1) for s, left in zip(steps, most_remaining, strict=True)
+    ]
+    assert result.windows == windows == [s.window for s in steps]
+    assert {3, 1, 0} <= set(windows)  # both cuts happen (0: one token left, a plain step)
 
 
 def test_replay_modelled_seconds(random_run_traces: Traces) -> None:
@@ -397,10 +403,13 @@ def test_replay_modelled_seconds(random_run_traces: Traces) -> None:
         context = sum(contexts) / len(contexts)
         c = step.counts
         assert step.context == pytest.approx(context)
-        assert c.seconds == pytest.approx(cost.step_time(c.active, 2, c.verified, context))
+        assert c.seconds == pytest.approx(
+            cost.step_time(c.active, step.window, c.verified, context)
+        )
+    assert {step.window for step in steps} == {0, 2}  # 2, cut where one token is left
     fixed_context = replay(random_run_traces, FixedWindowSelector(2), 3, cost, context=100.0)
-    for c in fixed_context.steps:
-        assert c.seconds == pytest.approx(cost.step_time(c.active, 2, c.verified, 100.0))
+    for c, window in zip(fixed_context.steps, fixed_context.windows, strict=True):
+        assert c.seconds == pytest.approx(cost.step_time(c.active, window, c.verified, 100.0))
     # request latency: the modelled seconds of the steps it took part in
     result = replay(random_run_traces, FixedWindowSelector(2), 3, cost)
     first = next(i for i, s in enumerate(steps) if 0 in s.requests.tolist())
@@ -521,6 +530,17 @@ def test_oracle_default_budget_counts_active_rows() -> None:
     active = torch.tensor([True, False, True, False])
     lengths = oracle.select(torch.full((4, 3), -0.1), active).lengths
     assert lengths.tolist() == [1, 0, 1, 0]  # C = k * num_active = 2
+
+
+@pytest.mark.parametrize("budget", [None, 0, 2, 9])
+def test_oracle_drafts_no_deeper_than_its_budget_or_tetris(budget: int | None) -> None:
+    """The bound drafts what TETRIS with its window and budget drafts: a deeper pass could
+    never be verified, and replay would bill it to the bound's goodput."""
+    oracle = OracleSelector(k=2, extra=3, budget=budget)
+    tetris = paper_tetris(k=2, extra=3) if budget is None else TetrisSelector(2, 3, budget=budget)
+    for active in range(4):
+        expected = min(5, 2 * active if budget is None else budget)
+        assert oracle.draft_length(active) == tetris.draft_length(active) == expected
 
 
 def test_oracle_needs_runs_every_step() -> None:
@@ -897,7 +917,8 @@ def test_replay_equals_live(tiny_pair: tuple, model_traces: Traces, name: str, s
     per-step verified and accepted counts exactly (each ``speculative_generate`` call, like
     each replayed wave, starts the selector afresh), and the live output is the recorded
     target output. The goodput budget chooses its draft depth from what :meth:`observe` saw,
-    so it also checks that both loops feed the hook the same numbers."""
+    so it also checks that both loops feed the hook the same numbers, and that both draft the
+    same depths (cut where no row could emit a deeper token: the last steps' prices)."""
     config = LIVE_CONFIGS[name]
     outputs = _generate_in_batches(
         tiny_pair, model_traces, config.build(default_cost_model()), slots
@@ -907,6 +928,7 @@ def test_replay_equals_live(tiny_pair: tuple, model_traces: Traces, name: str, s
     replayed = replay(model_traces, config.build(default_cost_model()), slots=slots, refill=False)
     assert [int(a.sum()) for a in replayed.accepted_per_step] == live_accepted
     assert [s.verified for s in replayed.steps] == [s.verified for s in live_steps]
+    assert replayed.windows == [depth for out in outputs for depth in out.stats.draft_depths]
 
 
 class FeatureSpy(TetrisSelector):

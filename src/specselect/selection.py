@@ -151,6 +151,14 @@ def available_lengths(draft_logprobs: Tensor) -> Tensor:
     return (draft_logprobs > NEG_INF).cumprod(dim=1).sum(dim=1)  # bool cumprod gives int64
 
 
+def draftable_depth(window: int, most_remaining: int) -> int:
+    """The draft depth a step drafts: the selector's ``window``, cut where no active row could
+    emit the token (``most_remaining``: the most new tokens any active row may still emit; the
+    last one is always the target's own). The live loop and replay both draft (and price)
+    this depth, so that a replay prices a row's last steps as the loop runs them."""
+    return max(0, min(window, most_remaining - 1))
+
+
 class Selector(abc.ABC):
     """Base class of every selector.
 

@@ -60,7 +60,8 @@ class GenerationStats:
     (planning and compaction before the draft, the read-back and the host's bookkeeping after
     it: statistics, retiring rows) are device times on a GPU (CUDA events, read once at the
     end) and wall times on a CPU; ``prefill_seconds`` is the prompt pass. ``cache_widths``
-    holds the columns in use in each model's cache after each step; ``compactions`` counts
+    holds the columns in use in each model's cache after each step, ``draft_depths`` each
+    step's draft length (a tree's depth; 0 for a plain step); ``compactions`` counts
     cache compactions and ``captures`` the graphs captured (0 in eager mode).
     """
 
@@ -73,6 +74,7 @@ class GenerationStats:
     verified_per_step: list[Tensor] = field(default_factory=list)  # each [B], 0 if inactive
     accepted_per_step: list[Tensor] = field(default_factory=list)  # each [B], 0 if inactive
     cache_widths: list[tuple[int, int]] = field(default_factory=list)  # (target, draft) per step
+    draft_depths: list[int] = field(default_factory=list)  # per step; 0: a plain decoding step
     draft_seconds: float = 0.0
     select_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -422,9 +424,9 @@ class GenerationState:
         return host.tolist()
 
     # ------------------------------------------------------------------ on the host
-    def record(self, report: list[list[int]], seconds: float) -> int:
-        """Per-row statistics of the step and retirement; returns tokens written plus the unused
-        budget of retired rows (the progress bar's advance)."""
+    def record(self, report: list[list[int]], depth: int, seconds: float) -> int:
+        """Per-row statistics of the step (which drafted ``depth`` deep) and retirement; returns
+        tokens written plus the unused budget of retired rows (the progress bar's advance)."""
         finished, verified, accepted = report[FINISHED], report[VERIFIED], report[ACCEPTED]
         written = report[WRITTEN]
         self.counts = (report[TARGET_COUNT], report[DRAFT_COUNT])
@@ -458,6 +460,7 @@ class GenerationState:
         )
         draft_used = self.drafter.cache.used if self.drafter is not None else 0
         self.stats.cache_widths.append((self.target.used, draft_used))
+        self.stats.draft_depths.append(depth)
         return advance
 
     def make_room(self, target_width: int, draft_width: int) -> None:

@@ -45,7 +45,14 @@ from specselect.hf.state import ACCEPTED, DEEPEST, VERIFIED, GenerationState, Ph
 from specselect.hf.tree_draft import DraftTree, TreeDrafter
 from specselect.lookup import LOOKUP_FEATURES, chain_paths, lookup_features
 from specselect.scores import causal_logprobs, expected_self_logprob
-from specselect.selection import NEG_INF, Selection, Selector, available_lengths, prefix_mask
+from specselect.selection import (
+    NEG_INF,
+    Selection,
+    Selector,
+    available_lengths,
+    draftable_depth,
+    prefix_mask,
+)
 from specselect.tree import TreeBuffers, TreeSpec, build_tree_buffers, path_sums
 from specselect.verify import greedy_verify, rejection_verify
 from specselect.verify_tree import TreeVerdict, tree_greedy_verify, tree_rejection_verify
@@ -140,7 +147,7 @@ class Step(abc.ABC):
             self.selector.observe(verified, accepted, deepest, active=active)
         if drafter is not None:
             drafter.advanced(plan.width)
-        advance = state.record(report, _now() - start)
+        advance = state.record(report, plan.width, _now() - start)
         clock.lap()
         return advance
 
@@ -323,8 +330,7 @@ class ChainStep(Step):
         k = 0
         if self.selector is not None:
             k = check_int("selector.draft_length()", self.selector.draft_length(state.num_active))
-            # Positions >= remaining - 1 could not be emitted by any row: do not draft them.
-            k = min(k, state.most_remaining - 1)
+            k = draftable_depth(k, state.most_remaining)
         drafter = state.drafter
         draft_columns = drafter.footprint(k) if drafter is not None else 0
         backlog = drafter.width if drafter is not None else 0
@@ -391,7 +397,7 @@ class TreeStep(Step):
         # The selector's draft length caps the depth (no selector verifies deeper than it
         # drafts a chain); deeper nodes than a row's remaining tokens are unemittable.
         window = check_int("selector.draft_length()", self.selector.draft_length(state.num_active))
-        depth = min(self.tree.depth, window, state.most_remaining - 1)
+        depth = draftable_depth(min(self.tree.depth, window), state.most_remaining)
         if depth == 0:  # no row can emit a draft token: a plain step
             return Plan(0, 1, drafter.footprint(0), ("tree", 0, drafter.width))
         spec = replace(self.tree, depth=depth)

@@ -21,7 +21,7 @@ from specselect.estimators import observed_outcomes
 from specselect.metrics import StepCounts, Totals
 from specselect.replay.oracle import OracleSelector
 from specselect.replay.traces import Traces
-from specselect.selection import NEG_INF, Selection, Selector, prefix_mask
+from specselect.selection import NEG_INF, Selection, Selector, draftable_depth, prefix_mask
 
 __all__ = [
     "RELIABILITY_BINS",
@@ -146,14 +146,16 @@ def _check_selection(selection: Selection, active: Tensor, window: int, selector
         )
 
 
-def _draft_window(selector: Selector, num_active: int, max_k: int) -> int:
-    window = selector.draft_length(num_active)
+def _draft_window(selector: Selector, num_active: int, max_k: int, most_remaining: int) -> int:
+    """The step's draft length, checked against the traces, and cut as the live loop cuts it
+    (:func:`~specselect.selection.draftable_depth`)."""
+    window = check_int("selector.draft_length()", selector.draft_length(num_active))
     if window > max_k:
         raise ValueError(
             f"{selector!r} asks for a draft window of {window} tokens but the traces hold only "
             f"max_k={max_k}; record them with max_k >= {window}"
         )
-    return window
+    return draftable_depth(window, most_remaining)
 
 
 def iter_replay(
@@ -190,7 +192,8 @@ def iter_replay(
         num_active = int(active.sum())
         if num_active == 0:
             return
-        window = _draft_window(selector, num_active, max_k)
+        most_remaining = length - int(positions[active].min())
+        window = _draft_window(selector, num_active, max_k, most_remaining)
         shown, runs = _offer(traces, requests, positions, window)
         if isinstance(selector, OracleSelector):
             selector.set_runs(runs)
@@ -296,15 +299,16 @@ def replay(
     Requests enter in trace order. Each step: empty slots take the next queued requests (with
     ``refill=False``, only when *all* slots are empty — static batches, as
     ``speculative_generate`` runs them, and the selector is reset before each new batch as
-    each ``speculative_generate`` call resets it); ``K = selector.draft_length(num_active)``;
-    the selector sees the ``[slots, K]`` recorded log-probs (``-inf`` past each request's end
-    and in empty slots, which are also inactive); each active request accepts ``min(L, run)``
-    and advances by that + 1; ``selector.update`` gets the accepted counts, and
-    ``selector.observe`` the verified and accepted counts of the active slots as host ints,
-    with the slots they are (``active``), as ``speculative_generate`` passes them after its
-    read-back. A slot whose
-    request finished is refilled at the next step. The selector receives each slot's request
-    id (``request_ids``), so per-request state follows requests: a slot whose id changed is
+    each ``speculative_generate`` call resets it); ``K = selector.draft_length(num_active)``,
+    cut as the live loop cuts it where no active request could emit a deeper token
+    (:func:`~specselect.selection.draftable_depth`); the selector sees the ``[slots, K]``
+    recorded log-probs (``-inf`` past each request's end and in empty slots, which are also
+    inactive); each active request accepts ``min(L, run)`` and advances by that + 1;
+    ``selector.update`` gets the accepted counts, and ``selector.observe`` the verified and
+    accepted counts of the active slots as host ints, with the slots they are (``active``), as
+    ``speculative_generate`` passes them after its read-back. A slot whose request finished is
+    refilled at the next step. The selector receives each slot's request id
+    (``request_ids``), so per-request state follows requests: a slot whose id changed is
     reset.
 
     Args:

@@ -61,8 +61,11 @@ class OracleSelector(Selector):
         self._runs: Tensor | None = None
 
     def draft_length(self, num_active: int) -> int:
+        """``k + extra``, or the budget when smaller, as TETRIS drafts: a depth beyond the
+        budget could never be verified, and its draft pass would be billed to the bound."""
         check_int("num_active", num_active)
-        return self.k + self.extra
+        budget = self.k * num_active if self.budget is None else self.budget
+        return min(self.k + self.extra, budget)
 
     @classmethod
     def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any]:
