@@ -871,6 +871,17 @@ def test_compare_cost_model_option(compare_run: dict, tmp_path: Path) -> None:
         )
 
 
+def test_compare_refuses_a_cost_model_without_a_draft_part(
+    compare_run: dict, tmp_path: Path
+) -> None:
+    """A model of plain decoding cannot price a speculative step: a usage error naming the
+    option, not a traceback from the first replayed step."""
+    path = CostModel.linear(None, (1e-2, 1e-4, 0.0)).save(tmp_path / "plain.json")
+    code, _, stderr = _reuse(compare_run, tmp_path / "out", "--cost-model", str(path))
+    assert code == 2
+    assert stderr.count("\n") == 1 and "--cost-model" in stderr and "no draft part" in stderr
+
+
 PROFILE_GRID = ["--batch-sizes", "1,2", "--widths", "1,2", "--contexts", "8", "--repeats", "1"]
 
 

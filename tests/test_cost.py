@@ -484,6 +484,8 @@ BAD_FILES = {
     "samples not a list": (("samples", {}), "'samples' must be a list"),
     "sample field mistyped": (("samples.2.batch", 1.5), "'samples[2].batch' must be an integer"),
     "sample out of range": (("samples.3.seconds", -1.0), "samples[3].seconds must be"),
+    "term beyond floats": (("verify.fixed", 10**400), "'verify.fixed' must be a finite number"),
+    "sample beyond floats": (("samples.1.context", 10**400), "'samples[1].context' must be a"),
 }
 
 

@@ -27,6 +27,7 @@ from conftest import (
     random_logprobs,
 )
 from specselect import FixedWindowSelector, native, top_c_mask
+from specselect.cost import CostModel
 from specselect.estimators import RankingGuard
 from specselect.selectors import TetrisSelector
 from specselect.topc import cheapest_mask, cheapest_mask_torch, cheapest_per_row
@@ -980,6 +981,11 @@ def test_observe_rejects_bad_outcomes(outcomes: tuple, error: type, match: str) 
         ({"budget": "goodput", "cost_model": object()}, TypeError, "cost_model must have"),
         ({"budget": 3, "cost_model": 1.5}, TypeError, "cost_model must have"),
         ({"k": 0, "extra": 0, "budget": "goodput"}, ValueError, "k \\+ extra must be >= 1"),
+        (
+            {"budget": "goodput", "cost_model": CostModel.linear(None, (1e-2, 1e-4, 0.0))},
+            ValueError,
+            "cost_model has no draft part",
+        ),
         ({"guard": 1}, TypeError, "guard must be True, False or a RankingGuard, got int"),
         ({"guard": "yes"}, TypeError, "guard must be True, False or a RankingGuard, got str"),
     ],

@@ -934,13 +934,19 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
         except FileNotFoundError as exc:
             raise UsageError(f"{exc} (or pass --cost-model)") from None
     try:
-        return CostModel.load(args.cost_model)
+        model = CostModel.load(args.cost_model)
     except FileNotFoundError:
         raise UsageError(f"--cost-model {str(args.cost_model)!r} does not exist") from None
     except OSError as exc:
         raise UsageError(f"--cost-model {str(args.cost_model)!r}: {_reason(exc)}") from None
     except CostFileError as exc:
         raise UsageError(f"--cost-model: {exc}") from None
+    if model.draft is None:
+        raise UsageError(
+            f"--cost-model {str(args.cost_model)!r} has no draft part (measured for plain "
+            "decoding): every selector of a comparison drafts; profile the pair with --draft"
+        )
+    return model
 
 
 # --------------------------------------------------------------------------------------------

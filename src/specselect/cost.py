@@ -107,7 +107,7 @@ def _check_real(name: str, value: object, *, allow_inf: bool = False) -> float:
     """``value`` as a float, or raise unless it is a finite (or +inf) real number >= 0."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float >= 0, got {type(value).__name__}")
-    number = float(value)
+    number = _float_or_inf(value) if isinstance(value, int) else float(value)
     if math.isnan(number) or number < 0 or (math.isinf(number) and not allow_inf):
         expected = "a float >= 0 or inf" if allow_inf else "a finite float >= 0"
         raise ValueError(f"{name} must be {expected}, got {value}")
@@ -837,7 +837,19 @@ def _key(obj: object, key: str, kind: type, where: str) -> Any:
     accepted: tuple[type, ...] = (int, float) if kind is float else (kind,)
     if isinstance(value, bool) or not isinstance(value, accepted):
         raise TypeError(f"{name!r} must be {_JSON_TYPES[kind]}, got {json.dumps(value)}")
+    if kind is float and isinstance(value, int) and not math.isfinite(_float_or_inf(value)):
+        raise ValueError(
+            f"{name!r} must be a finite number, got an integer of {len(str(value))} digits"
+        )
     return value
+
+
+def _float_or_inf(value: int) -> float:
+    """``float(value)``, or ``inf`` for an int beyond the float range (a hand-edited file)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 def _pass_from_json(obj: object, where: str) -> PassCost:

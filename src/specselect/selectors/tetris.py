@@ -109,6 +109,13 @@ class TetrisSelector(Selector):
             )
         self.guard = RankingGuard() if guard is True else (guard or None)
         self.cost_model = None if cost_model is None else check_cost_model(cost_model)
+        model = self.cost_model
+        if self.budget == GOODPUT and isinstance(model, CostModel) and model.draft is None:
+            raise ValueError(
+                "cost_model has no draft part (a model of plain decoding): the goodput budget "
+                "plans its draft depth, so its cost model must price drafting; measure one "
+                "with a draft model"
+            )
         self._fallback = FixedWindowSelector(self.k)
         if self.budget == GOODPUT and self.k + self.extra == 0:
             raise ValueError(
