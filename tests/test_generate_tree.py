@@ -31,8 +31,10 @@ from specselect.hf import (
     emulate_on_cpu,
     speculative_generate,
 )
+from specselect.hf import steps as steps_module
 from specselect.hf.compat import ModelHandle
 from specselect.tree import build_tree_buffers
+from specselect.verify_tree import tree_rejection_verify
 from test_generate_greedy import MAX_NEW, MAX_PROMPT, SEEDS, assert_covers_both_endings, case
 from test_generate_sampling import assert_follows_target, interleaved_prompts
 from test_generate_sampling import pair as sampling_pair  # noqa: F401  (module fixture)
@@ -277,6 +279,32 @@ def test_short_generations_cut_the_tree(max_new: int, do_sample: bool) -> None:
         )
         assert torch.equal(out.sequences, reference)
     assert int(out.stats.accepted.max()) <= max_new - 1
+
+
+def test_sampled_trees_keep_a_float64_drafts_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft's distributions reach tree verification in the draft's precision when it is
+    above float32 (as on chains): rounding q there would bias the acceptance ratios q/p."""
+    target, draft, ids, mask, _, _ = case("gpt2", 0)
+    seen: list[bool] = []  # per call: q in float64 and not rounded to float32
+
+    def spy(tokens, selected, buffers, draft_probs, *args, **kwargs):  # type: ignore[no-untyped-def]
+        rounded = draft_probs.to(torch.float32).to(draft_probs.dtype)
+        seen.append(draft_probs.dtype == torch.float64 and not torch.equal(rounded, draft_probs))
+        return tree_rejection_verify(tokens, selected, buffers, draft_probs, *args, **kwargs)
+
+    monkeypatch.setattr(steps_module, "tree_rejection_verify", spy)
+    speculative_generate(
+        target.double(),
+        draft.double(),
+        ids,
+        mask,
+        selector=SELECTORS["tetris-paper"](),
+        max_new_tokens=6,
+        do_sample=True,
+        generator=torch.Generator().manual_seed(0),
+        tree=TREE,
+    )
+    assert seen and all(seen)
 
 
 def test_tetris_moves_budget_between_trees() -> None:

@@ -137,6 +137,9 @@ class ChainDrafter:
         self.backlog = torch.zeros(slots, MAX_BACKLOG, dtype=torch.int64, device=device)
         self.backlog_valid = torch.zeros(slots, MAX_BACKLOG, dtype=torch.bool, device=device)
         self.width = 0  # backlog columns in use (host)
+        # The draft's distributions (processed logits) are kept at least in float32: a ratio
+        # q / p of a half-precision q would round.
+        self.probs_dtype = torch.promote_types(handle.dtype, torch.float32)
 
     # ------------------------------------------------------------------ eager
     def prefill(

@@ -315,8 +315,7 @@ class Step(abc.ABC):
     def _probs_dtype(self) -> torch.dtype:
         """dtype of the draft's distributions (the processed draft logits)."""
         drafter = self.state.drafter
-        dtype = drafter.handle.dtype if drafter is not None else torch.float32
-        return torch.promote_types(dtype, torch.float32)
+        return drafter.probs_dtype if drafter is not None else torch.float32
 
 
 class ChainStep(Step):

@@ -147,7 +147,7 @@ class TreeDrafter(ChainDrafter):
         fed = torch.zeros(batch, nodes, dtype=torch.bool, device=device)
         after = None
         if self.params.do_sample:
-            after = torch.zeros(batch, nodes + 1, self.vocab, device=device)
+            after = torch.zeros(batch, nodes + 1, self.vocab, dtype=self.probs_dtype, device=device)
         fed_ids = torch.zeros(batch, 0, dtype=torch.int64, device=device)
         frontier = torch.full((batch, 1), -1, dtype=torch.int64, device=device)  # [B, F] parents
         tokens: list[Tensor] = []  # per level: [B, size] int64
