@@ -243,6 +243,19 @@ def test_update_rejects_more_accepted_than_selected(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", CONFIGS)
+def test_update_takes_one_feedback_per_select(name: str) -> None:
+    """A second update for one select would learn the step twice: an error; the next select
+    takes feedback again."""
+    selector = make(name)
+    selection = selector.select(drafted(selector, seed=0))
+    selector.update(selection, selection.lengths)
+    with pytest.raises(ValueError, match="already called for the last select"):
+        selector.update(selection, selection.lengths)
+    selection = selector.select(drafted(selector, seed=1))
+    selector.update(selection, selection.lengths)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
 def test_update_for_another_batch_asks_for_reset(name: str) -> None:
     selector = make(name)
     selector.select(drafted(selector, seed=0))

@@ -66,10 +66,11 @@ def readable_eagerly(t: Tensor) -> bool:
 
 def _values_checkable(t: Tensor) -> bool:
     """Whether reading ``t``'s values is cheap and possible: readable, on the CPU (or
-    anywhere, if asked for)."""
+    anywhere, if asked for). Readability first: it is false while compiling, and Dynamo
+    cannot trace the trusted flag (a ContextVar)."""
     return (
-        not _TRUSTED.get()
-        and readable_eagerly(t)
+        readable_eagerly(t)
+        and not _TRUSTED.get()
         and (t.device.type == "cpu" or _DEVICE_VALUE_CHECKS)
     )
 

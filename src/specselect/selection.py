@@ -193,6 +193,7 @@ class Selector(abc.ABC):
 
     def __init__(self) -> None:
         self._last: _LastSelect | None = None  # what the last select saw, for update
+        self._answered = False  # whether update already had the last select's feedback
         self._request_ids: Tensor | None = None  # [B] request in each slot at the last select
         #: Unique to this object for the life of the process (unlike ``id()``, never reused by a
         #: later object): the part of a stateful selector's :attr:`capture_key` that keeps a
@@ -281,6 +282,7 @@ class Selector(abc.ABC):
         else:
             selection = self._select_tree(scores, active, parents, positions + 1)
         self._last = _LastSelect(draft_logprobs, scores, parents, positions, features)
+        self._answered = False
         return selection
 
     @abc.abstractmethod
@@ -312,12 +314,17 @@ class Selector(abc.ABC):
             ValueError: ``num_accepted`` is not a ``[B]`` count tensor, exceeds
                 ``selection.lengths`` (checked where values are readable without a sync: CPU
                 tensors), or ``selection`` does not match the last :meth:`select` (a new batch
-                needs :meth:`reset`).
+                needs :meth:`reset`), or this select was already given its feedback.
         """
         lengths = selection.lengths
         check_counts("num_accepted", num_accepted, lengths.shape[0], lengths.device)
         check_at_most("num_accepted", num_accepted, "selection.lengths", lengths)
         last = self._matching_last(selection)
+        if last is not None and self._answered:
+            raise ValueError(
+                f"{type(self).__name__}.update was already called for the last select(): "
+                "feedback is once per step (a second call would learn the step twice)"
+            )
         if accepted_nodes is not None:
             _check_accepted_nodes(accepted_nodes, selection, num_accepted)
         if self.estimator is not None and last is not None:
@@ -325,6 +332,7 @@ class Selector(abc.ABC):
             given = () if last.features is None else (last.features,)
             self.estimator.learn(last.logprobs, tested, passed, last.positions, *given)
         self._update(selection, num_accepted, accepted_nodes)
+        self._answered = last is not None
 
     def _matching_last(self, selection: Selection) -> _LastSelect | None:
         """The last select's record, or a clear error if ``selection`` cannot be its answer."""
@@ -435,6 +443,7 @@ class Selector(abc.ABC):
     def reset(self) -> None:
         """Forget all state learned from feedback (start of a new generation)."""
         self._last = None
+        self._answered = False
         self._request_ids = None
         if self.estimator is not None:
             self.estimator.reset()
