@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import OneDevicePerOp, random_logprobs
+from specselect import make_selector
 from specselect._checks import trusted_values
 from specselect.selection import Selection, Selector
 from specselect.selectors import SELECTORS
@@ -240,6 +241,41 @@ def test_update_rejects_more_accepted_than_selected(name: str) -> None:
     with pytest.raises(ValueError, match=r"num_accepted must be <= selection.lengths.*\[2\]"):
         selector.update(selection, too_many)
     selector.update(selection, selection.lengths)  # everything accepted is fine
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize(
+    "rows", [[True, False], torch.tensor([1, 0]), torch.ones(2, 2, dtype=torch.bool)]
+)
+def test_reset_rows_checks_its_mask(name: str, rows: object) -> None:
+    selector = make(name)
+    selector.select(drafted(selector, seed=0))
+    with pytest.raises((TypeError, ValueError), match="rows"):
+        selector.reset_rows(rows)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("spec", ["tetris", "tetris+history"])
+def test_request_ids_of_a_new_batch_size_keep_what_was_learned(spec: str) -> None:
+    """Ids of another number of slots start a new batch: every slot's per-request state is
+    new, but what was learned across requests stays, as when no ids are passed (a full reset
+    wiped it)."""
+    logprobs = random_logprobs(4, 3, seed=0)
+
+    def trained(ids: bool) -> Selector:
+        selector = make_selector(spec, k=2)
+        for _ in range(30):
+            request_ids = torch.arange(4) if ids else None
+            selection = selector.select(logprobs, request_ids=request_ids)
+            selector.update(selection, selection.lengths)  # everything accepted
+        return selector
+
+    probe = random_logprobs(6, 3, seed=1)
+    with_ids, without_ids, fresh = trained(True), trained(False), make_selector(spec, k=2)
+    with_ids.select(probe, request_ids=torch.arange(6))
+    without_ids.select(probe)
+    fresh.select(probe)
+    assert torch.equal(with_ids.last_scores, without_ids.last_scores)
+    assert not torch.allclose(with_ids.last_scores, fresh.last_scores)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

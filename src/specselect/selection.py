@@ -241,7 +241,9 @@ class Selector(abc.ABC):
             parents: optional ``[B, N]`` int: select draft-tree nodes instead of chain
                 positions (see :mod:`specselect.tree`); the result is closed under ancestors.
             request_ids: optional ``[B]`` int64 id of the request in each batch slot. When a
-                slot's id changes, per-request state of that slot is reset (:meth:`reset_rows`).
+                slot's id changes, per-request state of that slot is reset (:meth:`reset_rows`);
+                when their number changes (another batch), every slot's
+                (:meth:`reset_requests`), keeping what was learned across requests.
             features: optional ``[B, K, F]`` float per-token features for the acceptance
                 estimator (with ``parents``, ``[B, N, F]`` per node): what
                 :func:`specselect.lookup.lookup_features` computes from the context. Read
@@ -450,8 +452,18 @@ class Selector(abc.ABC):
 
     def reset_rows(self, rows: Tensor) -> None:
         """Forget per-request state of ``rows`` (``[B]`` bool): their slots hold new requests."""
+        check_tensor("rows", rows, rank=1)
+        if rows.dtype != torch.bool:
+            raise TypeError(f"rows must be a bool tensor, got {rows.dtype}")
         if self.estimator is not None:
             self.estimator.reset_rows(rows)
+
+    def reset_requests(self) -> None:
+        """Forget the per-request state of every row (every slot holds a new request, maybe of
+        a batch of another size), keeping what was learned across requests; :meth:`reset`
+        forgets both."""
+        if self.estimator is not None:
+            self.estimator.reset_requests()
 
     @property
     def uses_features(self) -> bool:
@@ -509,8 +521,8 @@ class Selector(abc.ABC):
         previous = self._request_ids
         if previous is not None and previous.shape == request_ids.shape:
             self.reset_rows(request_ids != previous)
-        elif previous is not None:
-            self.reset()
+        elif previous is not None:  # another batch size: every slot holds a new request
+            self.reset_requests()
         self._request_ids = request_ids.clone()
 
     @classmethod

@@ -127,6 +127,10 @@ class AcceptanceEstimator(abc.ABC):
     def reset_rows(self, rows: Tensor) -> None:  # noqa: B027
         """Forget per-request state of ``rows`` (``[B]`` bool); shared state is kept."""
 
+    def reset_requests(self) -> None:  # noqa: B027
+        """Forget the per-request state of every row, at every batch size (every slot holds a
+        new request); shared state is kept."""
+
     def to(self, device: torch.device) -> None:  # noqa: B027
         """Move the state to ``device`` as copies, which keep what was learned (nothing to move
         by default). A selector calls it when its inputs move, before anything else."""

@@ -98,6 +98,9 @@ class RankingChoice(AcceptanceEstimator):
     def reset_rows(self, rows: Tensor) -> None:
         self.learned.reset_rows(rows)
 
+    def reset_requests(self) -> None:
+        self.learned.reset_requests()
+
     def _state(self, device: torch.device) -> Tensor:
         if self._stats is None:
             self._stats = _fresh_stats(device)

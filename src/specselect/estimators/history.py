@@ -139,8 +139,7 @@ class RequestHistory(AcceptanceEstimator):
         self._batch.copy_(torch.tensor(_BATCH_PRIOR))
         if self._feature_state is not None:
             self._feature_state.copy_(_fresh_feature_state(self.features, torch.device("cpu")))
-        for slots in self._slots.values():
-            slots.counts.zero_()
+        self.reset_requests()
 
     def reset_rows(self, rows: Tensor) -> None:
         slots = self._current
@@ -149,6 +148,11 @@ class RequestHistory(AcceptanceEstimator):
         rows = check_mask("rows", rows, (slots.counts.shape[1],), slots.counts.device)
         self._estimated.clear()  # the features of these rows change
         slots.counts.masked_fill_(rows.view(1, -1, 1), 0.0)
+
+    def reset_requests(self) -> None:
+        self._estimated.clear()
+        for slots in self._slots.values():
+            slots.counts.zero_()
 
     def to(self, device: torch.device) -> None:
         self.calibration.to(device)

@@ -147,6 +147,10 @@ class HeuristicSelector(Selector):
         for copy in self._copies.values():
             copy.fill_(self.k0)
 
+    def reset_requests(self) -> None:
+        """Every window is per request: :meth:`reset`."""
+        self.reset()
+
     def reset_rows(self, rows: Tensor) -> None:
         """Restart the windows of ``rows`` (``[B]`` bool) at ``k0``: their slots hold new requests.
 
