@@ -461,7 +461,11 @@ class CostModel:
 
     def step_time(self, batch: int, window: int, verified: int, context: float = 512.0) -> float:
         """One speculative step: draft ``window`` tokens per row, verify ``verified`` drafts
-        (over the batch) plus one pending token per row."""
+        (over the batch) plus one pending token per row.
+
+        The pass is priced by the tokens it verifies, as an engine that packs each row's
+        tokens runs it; a loop that pads rows to one width (``speculative_generate``) sends
+        more (docs/compare.md, "The goodput budget")."""
         verified = check_int("verified", verified)
         return self.draft_time(batch, window, context) + self.verify_time(
             batch, verified + check_int("batch", batch), context
