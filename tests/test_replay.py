@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import fractions
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -233,6 +234,8 @@ def test_save_load_round_trip(model_traces: Traces, tmp_path) -> None:
 def test_load_rejects_a_missing_file(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_traces(tmp_path / "missing.pt")
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        load_traces(tmp_path)
 
 
 # Files that are not traces: name -> (writer, what the error says)
@@ -291,13 +294,39 @@ def test_record_traces_bad_input(tiny_pair: tuple, kwargs: dict, error: type, ma
         record_traces(target, draft, **args)
 
 
-def test_traces_validate_shapes() -> None:
+def test_traces_validate_shapes_and_types() -> None:
+    """What replay would only trip over later (an IndexError, an AttributeError) or read
+    wrongly (float token ids) is refused when the traces are built, naming the field."""
     good = traces_from_runs(torch.zeros(2, 5, dtype=torch.int64), 3)
-    with pytest.raises(ValueError, match="draft_logprobs"):
-        Traces(good.prompt_ids, good.output_ids, good.draft_tokens, good.draft_logprobs[:, :, :2])
-    with pytest.raises(ValueError, match="prompt_ids"):
-        Traces(good.prompt_ids[:1], good.output_ids, good.draft_tokens, good.draft_logprobs)
-    assert good.subset([1]).num_requests == 1
+    prompts, output, tokens, logprobs = (
+        good.prompt_ids,
+        good.output_ids,
+        good.draft_tokens,
+        good.draft_logprobs,
+    )
+    bad: list[tuple[tuple, type[Exception], str]] = [
+        ((prompts, output, tokens, logprobs[:, :, :2]), ValueError, "draft_logprobs"),
+        ((prompts[:1], output, tokens, logprobs), ValueError, "prompt_ids"),
+        ((prompts, output[:, :0], tokens[:, :0], logprobs[:, :0]), ValueError, "output_ids"),
+        ((prompts, output.float(), tokens, logprobs), TypeError, "output_ids"),
+        ((prompts, output, tokens.float(), logprobs), TypeError, "draft_tokens"),
+        (([[1, 2], [3]], output, tokens, logprobs), TypeError, r"prompt_ids\[0\]"),
+    ]
+    for args, error, match in bad:
+        with pytest.raises(error, match=match):
+            Traces(*args)
+
+
+def test_traces_subset() -> None:
+    traces = traces_from_runs(torch.randint(0, 3, (4, 5), generator=torch.manual_seed(0)), 3)
+    traces = replace(traces, meta={"num_requests": 4})
+    part = traces.subset([2, 0])
+    assert part.num_requests == 2 and part.meta["num_requests"] == 2
+    assert torch.equal(part.runs, traces.runs[[2, 0]])
+    with pytest.raises(TypeError, match=r"indices\[0\] must be an int"):
+        traces.subset([True, False])
+    with pytest.raises(ValueError, match=r"indices must be in 0..3"):
+        traces.subset([1, 4])
 
 
 # --------------------------------------------------------------------------------------------

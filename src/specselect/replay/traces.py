@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specselect._checks import check_int, check_tensor
+from specselect._checks import check_int, check_integer_tensor, check_tensor
 from specselect.lookup import LOOKUP_WINDOW, chain_paths, lookup_features
 
 TRACE_FORMAT = "specselect-traces"
@@ -88,10 +88,12 @@ class Traces:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_tensor("output_ids", self.output_ids, rank=2)
-        check_tensor("draft_tokens", self.draft_tokens, rank=3)
+        check_integer_tensor("output_ids", self.output_ids, rank=2, what="of token ids")
+        check_integer_tensor("draft_tokens", self.draft_tokens, rank=3, what="of token ids")
         check_tensor("draft_logprobs", self.draft_logprobs, rank=3)
         n, length = self.output_ids.shape
+        if length == 0:
+            raise ValueError("output_ids must hold at least one new token per request, got 0")
         if self.draft_tokens.shape[:2] != (n, length):
             raise ValueError(
                 f"draft_tokens must have shape [{n}, {length}, K_max] to match output_ids, got "
@@ -110,6 +112,8 @@ class Traces:
             raise ValueError(
                 f"prompt_ids must hold {n} prompts (one per request), got {len(self.prompt_ids)}"
             )
+        for i, prompt in enumerate(self.prompt_ids):
+            check_integer_tensor(f"prompt_ids[{i}]", prompt, rank=1, what="of token ids")
 
     @property
     def num_requests(self) -> int:
@@ -149,14 +153,25 @@ class Traces:
         )
 
     def subset(self, indices: Sequence[int]) -> Traces:
-        """The traces of the requests ``indices``, in that order."""
-        index = torch.as_tensor(list(indices), dtype=torch.int64)
+        """The traces of the requests ``indices`` (each in ``0 .. N - 1``), in that order; the
+        meta's request count follows."""
+        chosen = [check_int(f"indices[{i}]", value) for i, value in enumerate(indices)]
+        beyond = [i for i in chosen if i >= self.num_requests]
+        if beyond:
+            raise ValueError(
+                f"indices must be in 0..{self.num_requests - 1} (the traces hold "
+                f"{self.num_requests} requests), got {beyond[0]}"
+            )
+        index = torch.tensor(chosen, dtype=torch.int64)
+        meta = dict(self.meta)
+        if "num_requests" in meta:
+            meta["num_requests"] = len(chosen)
         return Traces(
-            prompt_ids=[self.prompt_ids[i] for i in index.tolist()],
+            prompt_ids=[self.prompt_ids[i] for i in chosen],
             output_ids=self.output_ids[index],
             draft_tokens=self.draft_tokens[index],
             draft_logprobs=self.draft_logprobs[index],
-            meta=dict(self.meta),
+            meta=meta,
         )
 
 
@@ -208,6 +223,8 @@ def load_traces(path: str | Path) -> Traces:
             it unsafely).
     """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"trace file {str(path)!r} is a directory, not a trace file")
     if not path.is_file():
         raise FileNotFoundError(f"trace file {str(path)!r} does not exist")
     not_traces = ValueError(
