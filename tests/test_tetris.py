@@ -955,7 +955,9 @@ def test_goodput_depth_model_reads_trees_per_depth() -> None:
         (([1, -2], [0, 0]), ValueError, r"verified\[1\] must be >= 0"),
         (([1.5], [0]), TypeError, r"verified\[0\] must be an int"),
         (([True], [0]), TypeError, r"verified\[0\] must be an int"),
-        ((torch.tensor([1]), [0]), TypeError, "verified must be a sequence"),
+        ((torch.tensor([[1]]), [0]), TypeError, "verified must be a sequence"),
+        ((torch.tensor([1], device="meta"), [0]), TypeError, "verified must be host values"),
+        ((torch.tensor([1.0]), [0]), TypeError, r"verified\[0\] must be an int"),
         (("12", [0, 0]), TypeError, "verified must be a sequence"),
         (([3, 2], [1, 0], [2]), ValueError, "got 2 verified and 1 deepest"),
         (([3, 2], [2, 0], [1, 1]), ValueError, r"accepted\[0\] = 2 > deepest\[0\] = 1"),
@@ -964,7 +966,7 @@ def test_goodput_depth_model_reads_trees_per_depth() -> None:
         (([3, 0], [0, 0], [0, 0]), ValueError, r"deepest\[0\] must be >= 1 where the row"),
         (([3, 2], [1, 0], None, [True, False]), ValueError, "1 rows marked active for 2 entries"),
         (([3, 2], [1, 0], None, [True, 1, True]), TypeError, r"active\[1\] must be a bool"),
-        (([3], [1], None, torch.tensor([True])), TypeError, "active must be a sequence of bools"),
+        (([3], [1], None, torch.tensor([[True]])), TypeError, "active must be a sequence of bools"),
         (([3], [1], None, "1"), TypeError, "active must be a sequence of bools"),
     ],
 )
@@ -972,6 +974,22 @@ def test_observe_rejects_bad_outcomes(outcomes: tuple, error: type, match: str) 
     selector = goodput_tetris(COST_SHAPES["flat"])
     with pytest.raises(error, match=match):
         selector.observe(*outcomes)
+
+
+def test_observe_takes_a_loops_read_back_as_arrays() -> None:
+    """1-D NumPy arrays and CPU tensors (what a loop reads back) plan as lists do."""
+    as_lists, as_arrays = goodput_tetris(COST_SHAPES["flat"]), goodput_tetris(COST_SHAPES["flat"])
+    for step in range(4):
+        verified, accepted, active = (
+            [3, 2, 1 + step % 3],
+            [1, 2, step % 2],
+            [True, False, True, True],
+        )
+        as_lists.observe(verified, accepted, active=active)
+        as_arrays.observe(np.array(verified), torch.tensor(accepted), active=torch.tensor(active))
+        assert as_lists.draft_length(3) == as_arrays.draft_length(3)
+    assert as_lists.planner is not None and as_arrays.planner is not None
+    assert as_lists.planner.acceptance().tolist() == as_arrays.planner.acceptance().tolist()
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -419,8 +420,11 @@ class Selector(abc.ABC):
         are as many as its rows; selectors that pool the rows (DSD, the goodput budget) need
         it never.
 
+        Each sequence may also be a 1-D NumPy array or CPU tensor (a loop's read-back).
+
         Raises:
-            TypeError: an entry is not an int (a bool, for ``active``).
+            TypeError: an entry is not an int (a bool, for ``active``), or a tensor is not on
+                the CPU (reading it would be a sync the caller should see).
             ValueError: the sequences differ in length, or an entry is negative, or a row
                 accepted more than it verified, or its deepest depth is not between what it
                 accepted and what it verified (at least 1 where it verified anything), or
@@ -633,10 +637,23 @@ def check_outcomes(
     return tested, passed, depths
 
 
-def _int_list(name: str, values: object) -> list[int]:
+def _host_list(name: str, values: object, entries: str) -> list[Any]:
+    """``values`` as a list: a sequence, or a 1-D NumPy array or CPU tensor (``.tolist()``: a
+    loop's read-back). A tensor on an accelerator would cost a sync: the caller reads it."""
+    if isinstance(values, np.ndarray | Tensor) and values.ndim == 1:
+        if isinstance(values, Tensor) and values.device.type != "cpu":
+            raise TypeError(
+                f"{name} must be host values; got a tensor on {values.device}: pass what the "
+                "loop read back (e.g. .tolist())"
+            )
+        return values.tolist()
     if isinstance(values, str | bytes) or not isinstance(values, Sequence):
-        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
-    ints = list(values)
+        raise TypeError(f"{name} must be a sequence of {entries}, got {type(values).__name__}")
+    return list(values)
+
+
+def _int_list(name: str, values: object) -> list[int]:
+    ints = _host_list(name, values, "ints")
     # Every step of a loop calls this: plain non-negative ints pass at C speed; anything
     # else is checked one by one, so that the error names the entry.
     if not (all(type(v) is int for v in ints) and min(ints, default=0) >= 0):
@@ -657,11 +674,7 @@ def _check_order(low_name: str, low: list[int], high_name: str, high: list[int])
 def check_active_rows(active: object, entries: int) -> list[bool]:
     """``active`` (:meth:`Selector.observe`) as a list of bools, one per batch row, marking
     exactly ``entries`` rows: the rows the outcomes belong to, in row order."""
-    if isinstance(active, str | bytes) or not isinstance(active, Sequence):
-        raise TypeError(
-            f"active must be a sequence of bools (one per batch row), got {type(active).__name__}"
-        )
-    flags = list(active)
+    flags = _host_list("active", active, "bools (one per batch row)")
     if not all(type(flag) is bool for flag in flags):
         i = next(i for i, flag in enumerate(flags) if type(flag) is not bool)
         raise TypeError(f"active[{i}] must be a bool, got {type(flags[i]).__name__}")
