@@ -416,6 +416,16 @@ def test_tree_update_checks_the_accepted_path(name: str) -> None:
     with pytest.raises(ValueError, match="accepted_nodes must be a bool tensor"):
         selector.update(selection, first.sum(dim=1), accepted_nodes=first.float())
     selector.update(selection, first.sum(dim=1), accepted_nodes=first)
+    # A loop's path is checked against the tree: two siblings, or a node without its parent,
+    # are no path from the root.
+    selector.select(torch.full((BATCH, 3), -0.1), parents=parents)
+    everything = Selection.from_mask(torch.ones(BATCH, 3, dtype=torch.bool))
+    for nodes in ([True, True, False], [False, False, True]):
+        bad = torch.tensor(nodes).expand(BATCH, 3)
+        with pytest.raises(ValueError, match="accepted_nodes must be a path from the root"):
+            selector.update(everything, bad.sum(dim=1), accepted_nodes=bad)
+    path = torch.tensor([True, False, True]).expand(BATCH, 3)
+    selector.update(everything, path.sum(dim=1), accepted_nodes=path)
 
 
 def _bad_constructor_cases() -> list[tuple[str, str, object]]:
