@@ -153,9 +153,16 @@ def tree_scores(draft_logprobs: Tensor, parents: Tensor) -> Tensor:
     return path_minima(path_sums(draft_logprobs, parents), parents)
 
 
+def leading_run(mask: Tensor) -> Tensor:  # [..., K] bool -> [...] int64
+    """The length of each row's leading run of ``True``: ``cumprod`` keeps ones up to the first
+    ``False`` and zeros after it, so the sum counts the run with no data-dependent control
+    flow (no sync, capturable)."""
+    return mask.cumprod(dim=-1).sum(dim=-1)  # a bool cumprod gives int64
+
+
 def available_lengths(draft_logprobs: Tensor) -> Tensor:
     """``[B]`` int64: drafted tokens before the first ``-inf`` (the selectable prefix)."""
-    return (draft_logprobs > NEG_INF).cumprod(dim=1).sum(dim=1)  # bool cumprod gives int64
+    return leading_run(draft_logprobs > NEG_INF)
 
 
 def draftable_depth(window: int, most_remaining: int) -> int:

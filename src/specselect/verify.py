@@ -31,7 +31,7 @@ from specselect.sampling import (
     compute_dtype,
     sample_from,
 )
-from specselect.selection import prefix_mask
+from specselect.selection import leading_run, prefix_mask
 
 
 def greedy_verify(
@@ -132,14 +132,9 @@ def accepted_length(
     accept: Tensor,  # [B, K] bool
     lengths: Tensor,  # [B] int64
 ) -> Tensor:  # [B] int64
-    """Length of the leading run of accepted positions within each row's selected prefix.
-
-    ``cumprod`` turns "accepted so far" into ones up to the first rejection (or the end of the
-    selected prefix) and zeros after it, so the sum counts the run without any data-dependent
-    control flow.
-    """
-    within = accept & prefix_mask(lengths, accept.shape[1])
-    return within.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    """Length of the leading run of accepted positions within each row's selected prefix: up
+    to the first rejection or the end of the prefix."""
+    return leading_run(accept & prefix_mask(lengths, accept.shape[1]))
 
 
 def gather_columns(

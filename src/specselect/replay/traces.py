@@ -24,6 +24,7 @@ from torch import Tensor
 
 from specselect._checks import check_int, check_integer_tensor, check_tensor
 from specselect.lookup import LOOKUP_WINDOW, chain_paths, lookup_features
+from specselect.selection import leading_run
 
 TRACE_FORMAT = "specselect-traces"
 TRACE_VERSION = 1
@@ -65,8 +66,7 @@ def match_runs(draft_tokens: Tensor, output_ids: Tensor) -> Tensor:
     padded = torch.cat([output_ids, pad], dim=1)  # [N, T + K]
     # target[n, t, j] = output[n, t + j] (or -1 past the end)
     target = padded.unfold(1, width, 1)[:, :length]  # [N, T, K]
-    matches = (draft_tokens == target).to(torch.int64)
-    return matches.cumprod(dim=2).sum(dim=2)
+    return leading_run(draft_tokens == target)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from specselect.selection import (
     Selector,
     available_lengths,
     estimator_kwargs,
+    leading_run,
     mask_inactive,
 )
 from specselect.tree import path_minima
@@ -45,8 +46,7 @@ def confident_prefix(
     0) keeps every token here, ``-inf`` log-probabilities included; callers combine the result
     with :func:`~specselect.selection.available_lengths`.
     """
-    confident = draft_logprobs >= log_threshold
-    return confident.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    return leading_run(draft_logprobs >= log_threshold)
 
 
 def dtype_log_threshold(threshold: float, dtype: torch.dtype) -> float:
