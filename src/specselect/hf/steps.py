@@ -39,7 +39,7 @@ from torch import Tensor
 
 from specselect._checks import check_int
 from specselect.constants import cached_constant
-from specselect.hf.draft import ChainDrafter, DraftChain, SamplingParams
+from specselect.hf.draft import ChainDrafter, SamplingParams
 from specselect.hf.graphs import StageRunner
 from specselect.hf.state import ACCEPTED, DEEPEST, VERIFIED, GenerationState, PhaseClock
 from specselect.hf.tree_draft import DraftTree, TreeDrafter
@@ -345,7 +345,8 @@ class ChainStep(Step):
         self._io("tokens", (size, k)).copy_(chain.tokens)
         if chain.probs is not None:
             self._draft_probs(size, k, chain.probs).copy_(chain.probs)
-        scores = self._mask_unemittable(chain.tokens, _selection_scores(chain))
+        expected = None if chain.probs is None else expected_self_logprob(chain.probs)  # [b, k]
+        scores = self._mask_unemittable(chain.tokens, _selection_scores(chain.logprobs, expected))
         self._io("scores", (size, k), torch.float32).copy_(scores)
         self._lookup(chain.tokens, cached_constant(("chain_paths", k, state.device), chain_paths))
 
@@ -578,13 +579,14 @@ class TreeStep(Step):
         )
 
     def _tree_scores(self, tree: DraftTree, sampled: bool) -> Tensor:  # -> [b, N]
-        """Node scores for the selector: causal ones for sampled children (see
-        :func:`_selection_scores`); raw log q for deterministic (top-k) children."""
+        """Node scores for the selector (:func:`_selection_scores`): a sampled node was drawn
+        from its parent's distribution (``tree.probs`` row ``parent + 1``, the root's first);
+        deterministic (top-k) children are judged by their own log q."""
         if not sampled:
             return tree.logprobs
         assert tree.probs is not None
         expected = expected_self_logprob(tree.probs)  # [b, N + 1]
-        return causal_logprobs(tree.logprobs, expected.gather(1, tree.parents + 1), tree.parents)
+        return _selection_scores(tree.logprobs, expected.gather(1, tree.parents + 1), tree.parents)
 
     def _mask_unemittable_nodes(
         self, tree: DraftTree, buffers: TreeBuffers, scores: Tensor
@@ -634,16 +636,21 @@ def _place(values: Tensor, sent: Tensor | None, size: int) -> Tensor:  # -> [b, 
     return placed.scatter_(1, sent.unsqueeze(2).expand(rows, width, vocab), values)
 
 
-def _selection_scores(chain: DraftChain) -> Tensor:  # -> [b, k]
-    """What the selector sees: draft log-probs, made causal when the tokens were sampled.
+def _selection_scores(
+    logprobs: Tensor,  # [b, n] log q of each drafted token (node)
+    expected: Tensor | None,  # [b, n] expected self log-prob of the distribution it came from
+    parents: Tensor | None = None,  # [b, n] for a tree
+) -> Tensor:  # -> [b, n]
+    """What the selector sees, for chains and trees alike: draft log-probs, made causal when
+    the tokens were sampled (``expected`` given).
 
     A selector that judged a *sampled* token by its own probability would bias speculative
     sampling (:mod:`specselect.scores`); greedy drafts are functions of their prefix and may be
     judged by their own probability.
     """
-    if chain.probs is None:
-        return chain.logprobs
-    return causal_logprobs(chain.logprobs, expected_self_logprob(chain.probs))
+    if expected is None:
+        return logprobs
+    return causal_logprobs(logprobs, expected, parents)
 
 
 def _now() -> float:
