@@ -16,12 +16,14 @@ from torch import nn
 from transformers import LlamaForCausalLM
 
 from _stats import ALPHA, chi_square_pvalue
+from greedy_cases import MAX_NEW, MAX_PROMPT, SEEDS, assert_covers_both_endings, case
 from hf_models import (
     ARCHS,
     PAD_ID,
     left_padded_prompts,
     tiny_model,
 )
+from sampling_cases import assert_follows_target, interleaved_prompts, sampling_pair
 from specselect import FixedWindowSelector, make_selector
 from specselect.hf import (
     ModelCache,
@@ -35,9 +37,6 @@ from specselect.hf import steps as steps_module
 from specselect.hf.compat import ModelHandle
 from specselect.tree import build_tree_buffers
 from specselect.verify_tree import tree_rejection_verify
-from test_generate_greedy import MAX_NEW, MAX_PROMPT, SEEDS, assert_covers_both_endings, case
-from test_generate_sampling import assert_follows_target, interleaved_prompts
-from test_generate_sampling import pair as sampling_pair  # noqa: F401  (module fixture)
 
 TREE = TreeSpec(depth=4, branch=2, width=2)
 GREEDY_VOCAB = 128
@@ -372,7 +371,6 @@ ROWS_PER_PROMPT = 3000
     ],
 )
 def test_tree_sampling_follows_target_distribution(
-    sampling_pair,  # noqa: F811
     sampled_children: bool,
     selector_name: str,
     config: dict[str, float],
@@ -380,7 +378,7 @@ def test_tree_sampling_follows_target_distribution(
     """Chi-square goodness of fit (at ``ALPHA``, fixed seed) of the first two tokens
     (jointly) and the third token against the exact target distribution; the tree is
     depth 2 x branch 2 x width 2 (MAX_NEW = 3 caps the depth at 2)."""
-    target, draft = sampling_pair
+    target, draft = sampling_pair()
     ids, mask = interleaved_prompts(ROWS_PER_PROMPT)
     width = ids.shape[1]
     selector = make_selector("tetris", k=3, extra=1, estimator=None, guard=False)

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 import specselect.hf.generate as hf_generate
+from greedy_cases import MAX_NEW, NOISE, VOCAB, case, greedy_reference
 from hf_models import EOS_ID, PAD_ID, left_padded_prompts, tiny_pair
 from specselect import FixedWindowSelector, TetrisSelector, make_selector, native
 from specselect.estimators import DraftProbability
@@ -44,7 +45,6 @@ from specselect.hf.generate import (
 )
 from specselect.hf.graphs import StageRunner
 from specselect.hf.steps import Step
-from test_generate_greedy import MAX_NEW, NOISE, VOCAB, case, greedy_reference
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -1060,10 +1060,10 @@ def test_the_loop_looks_up_in_each_rows_committed_tokens(
     each active slot's window holds its row's prompt (left padding and holes in the mask
     left out) and output so far, and its features are the direct search's along each token's
     chain or tree path."""
+    from greedy_cases import case
     from specselect.hf import TreeSpec, speculative_generate
     from specselect.hf.steps import Step
     from specselect.lookup import LOOKUP_FEATURES, LOOKUP_WINDOW
-    from test_generate_greedy import case
     from test_lookup import direct_match
 
     target, draft, ids, mask, eos, _ = case("llama", 0)

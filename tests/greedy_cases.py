@@ -1,0 +1,87 @@
+"""Greedy generation cases shared by the greedy, tree and graph-mode tests: tiny random pairs
+(tests/hf_models.py), left-padded prompts, an EOS id the target really produces, and
+``generate()``'s greedy output to compare with."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hf_models import PAD_ID, left_padded_prompts, tiny_pair
+
+NOISE = {"llama": 0.02, "gpt2": 0.04}
+SEEDS = (0, 1)
+BATCH, MIN_PROMPT, MAX_PROMPT, VOCAB = 8, 1, 12, 128
+MAX_NEW = 40
+
+
+@functools.cache
+def case(arch: str, seed: int):
+    """Models, prompts, an EOS id the target really produces, and generate()'s greedy output.
+
+    The EOS id is chosen from the target's greedy continuations so that about half of the rows
+    stop early (often on an accepted draft token) and the others run to ``MAX_NEW``.
+    """
+    target, draft = tiny_pair(arch, seed, noise=NOISE[arch])
+    ids, mask = left_padded_prompts(BATCH, MIN_PROMPT, MAX_PROMPT, VOCAB, seed)
+    free = target.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=[]
+    )
+    eos = pick_eos(free[:, MAX_PROMPT:])
+    return target, draft, ids, mask, eos, greedy_reference(target, ids, mask, eos)
+
+
+def greedy_reference(target, ids: torch.Tensor, mask: torch.Tensor, eos: object) -> torch.Tensor:
+    """``generate()``'s greedy output, ``MAX_NEW`` tokens, the tiny models' pad id."""
+    return target.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=MAX_NEW,
+        eos_token_id=eos,
+        pad_token_id=PAD_ID,
+    )
+
+
+def pick_eos(continuations: torch.Tensor) -> int:  # [B, MAX_NEW]
+    """The token whose first occurrence falls mid-continuation in closest to half of the rows."""
+    best, best_score = 0, None
+    for token in range(3, VOCAB):
+        hits = continuations == token
+        first = torch.where(hits.any(dim=1), hits.to(torch.int64).argmax(dim=1), MAX_NEW)
+        stopped = int(((first >= 3) & (first < MAX_NEW - 5)).sum())
+        early = int((first < 3).sum())
+        score = (early, abs(stopped - BATCH // 2))
+        if best_score is None or score < best_score:
+            best, best_score = token, score
+    return best
+
+
+def row_endings(stats, eos: int, sequences: torch.Tensor, prompt: int) -> list[str]:
+    """How each row ended: inside an accepted run at EOS or at max_new_tokens, or otherwise."""
+    endings = []
+    for row in range(sequences.shape[0]):
+        last = int(stats.row_steps[row]) - 1
+        start = sum(int(stats.accepted_per_step[t][row]) + 1 for t in range(last))
+        accepted = int(stats.accepted_per_step[last][row])
+        new = sequences[row, prompt:].tolist()
+        eos_at = new.index(eos) if eos in new else None
+        if eos_at is not None and start <= eos_at < start + accepted:
+            endings.append("eos_accepted")
+        elif eos_at is None and accepted >= 1 and start + accepted + 1 == MAX_NEW:
+            endings.append("max_new_in_run")
+        else:
+            endings.append("other")
+    return endings
+
+
+def assert_covers_both_endings(outputs) -> None:
+    """Across ``outputs`` (``(output, eos)`` pairs) some row ended inside an accepted run at EOS
+    and some at ``MAX_NEW``: the endings the identity must survive really happened. Checked over
+    all cases at once, since which single case produces them depends on the random weights (and
+    so on the transformers version)."""
+    seen: set[str] = set()
+    for out, eos in outputs:
+        seen.update(row_endings(out.stats, eos, out.sequences, MAX_PROMPT))
+    assert {"eos_accepted", "max_new_in_run"} <= seen, seen
