@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,11 @@ def test_summary_names_configurations_correctly() -> None:
     assert "dsd k=2 extra" not in summary
     tied = [row("fixed", 2, None, FIXED), row("a", 2, 1, DSD), row("b", 2, None, DSD)]
     assert "Highest goodput: a k=2 extra=1 = b k=2 (" in _summary_lines(tied)[0]
+    # No row above fixed SD's goodput: the summary says so rather than crowning a tie or a loss.
+    for totals in (FIXED, replace(FIXED, seconds=2.0)):
+        line = _summary_lines([row("fixed", 2, None, FIXED), row("dsd", 2, None, totals)])[0]
+        assert "None beats fixed SD's goodput; the highest: dsd k=2 (" in line
+        assert "Highest goodput" not in line
 
 
 def spending(verified: int, emitted: int) -> Totals:

@@ -297,7 +297,11 @@ def _summary_lines(rows: Sequence[ResultRow]) -> list[str]:
         if real:
             best_gp = _best(real, "goodput")
             rel = relative_to_baseline(best_gp[0], rows)["goodput"]
-            parts.append(f"Highest goodput: {_labels(best_gp)} ({_pct(rel) or 'n/a'} vs fixed).")
+            found = f"{_labels(best_gp)} ({_pct(rel) or 'n/a'} vs fixed)"
+            if base is None or best_gp[0].totals.goodput > base.totals.goodput:
+                parts.append(f"Highest goodput: {found}.")
+            else:  # a tie or a loss would read as a win
+                parts.append(f"None beats fixed SD's goodput; the highest: {found}.")
         frugal = [] if base is None else [r for r in real if _within_spend(r, base)]
         if frugal and base is not None:
             best = _best(frugal, "tokens_per_step")
