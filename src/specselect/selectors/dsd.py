@@ -213,8 +213,9 @@ class DSDSelector(Selector):
         return None if self._window is None else (self.name, self._window)
 
     def _batch_window(self, rows: int) -> int:
-        """The window of the last :meth:`draft_length`; before any, the choice for ``rows``
-        active requests."""
+        """The window of the last :meth:`draft_length`; before any (a ``select`` called
+        directly), the choice for a batch of ``rows``, every row counted as active: reading
+        ``active`` would be a sync."""
         if self._window is not None:
             return self._window
         return best_window(self._alpha_chosen, rows, self.max_k, self.cost_model, self.context)

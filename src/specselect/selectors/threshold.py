@@ -62,7 +62,8 @@ def dtype_log_threshold(threshold: float, dtype: torch.dtype) -> float:
 class ThresholdSelector(Selector):
     """Draft ``max_k`` tokens; verify each request's prefix of tokens with ``q >= threshold``.
 
-    A token whose draft probability equals the threshold is kept. ``threshold = 0`` verifies
+    A token whose draft probability equals the threshold is kept (for log-probabilities taken
+    of probabilities held in the input's dtype: see :func:`dtype_log_threshold`). ``threshold = 0`` verifies
     every available token (standard SD with window ``max_k``); ``threshold = 1`` verifies only
     tokens the draft was certain of.
 
