@@ -445,6 +445,18 @@ def test_json_round_trip_keeps_predictions_and_metadata(tmp_path: Path) -> None:
     assert loaded.describe() == "cost.json: test bench, float32, eager"
 
 
+def test_a_source_without_its_optional_fields_loads(tmp_path: Path) -> None:
+    """Hardware, dtype and mode describe every model; the rest may be left out by hand."""
+    document = CostModel.fit(GOOD, source=SOURCE).to_json()
+    for key in ("versions", "models", "grid", "details", "note"):
+        document = mutate(document, f"source.{key}", DELETE)
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(document), encoding="utf-8")
+    source = CostModel.load(path).source
+    assert source is not None and source.hardware == SOURCE.hardware
+    assert source.note == "" and source.grid == {}
+
+
 def test_a_plain_decoding_model_round_trips(tmp_path: Path) -> None:
     model = CostModel.linear(None, (1e-2, 1e-5, 0.0))
     assert CostModel.load(model.save(tmp_path / "plain.json")) == model
@@ -486,6 +498,10 @@ BAD_FILES = {
     "sample out of range": (("samples.3.seconds", -1.0), "samples[3].seconds must be"),
     "term beyond floats": (("verify.fixed", 10**400), "'verify.fixed' must be a finite number"),
     "sample beyond floats": (("samples.1.context", 10**400), "'samples[1].context' must be a"),
+    "misspelt term": (("verify.fixd", 1e-3), "unknown key 'verify.fixd'"),
+    "unknown top-level key": (("cost", 1.0), "unknown key 'cost'"),
+    "unknown source key": (("source.hw", "x"), "unknown key 'source.hw'"),
+    "unknown sample key": (("samples.0.secs", 1.0), "unknown key 'samples[0].secs'"),
 }
 
 

@@ -812,6 +812,7 @@ def _from_json(document: object) -> CostModel:
     if source is _MISSING:
         raise KeyError("missing key 'source' (an object, or null)")
     samples = _key(document, "samples", list, "")
+    _only_keys(document, ("format", "version", "draft", "verify", "source", "samples"), "")
     return CostModel(
         draft=None if draft is None else _pass_from_json(draft, "draft"),
         verify=_pass_from_json(_key(document, "verify", dict, ""), "verify"),
@@ -856,9 +857,20 @@ def _float_or_inf(value: int) -> float:
         return math.inf
 
 
+def _only_keys(obj: dict[str, Any], known: Sequence[str], where: str) -> None:
+    """A key the format does not have is an error: a misspelt term in a hand-edited file
+    would otherwise be ignored, and the model priced without it."""
+    unknown = [key for key in obj if key not in known]
+    if unknown:
+        raise ValueError(
+            f"unknown key {where + unknown[0]!r} (the keys there are {', '.join(known)})"
+        )
+
+
 def _pass_from_json(obj: object, where: str) -> PassCost:
     if not isinstance(obj, dict):
         raise TypeError(f"'{where}' must be an object, got {json.dumps(obj)}")
+    _only_keys(obj, [f.name for f in fields(PassCost)], f"{where}.")
     values: dict[str, float] = {}
     for f in fields(PassCost):
         if f.name == "knee" and obj.get("knee", 0) is None:  # JSON has no infinity
@@ -871,22 +883,36 @@ def _pass_from_json(obj: object, where: str) -> PassCost:
         raise ValueError(f"'{where}': {exc}") from None
 
 
+_OPTIONAL_SOURCE_KEYS = (
+    ("versions", dict),
+    ("models", dict),
+    ("grid", dict),
+    ("details", dict),
+    ("note", str),
+)
+
+
 def _source_from_json(obj: object) -> CostSource:
     where = "source."
+    if isinstance(obj, dict):
+        _only_keys(obj, [f.name for f in fields(CostSource)], where)
+    # hardware, dtype and mode describe every model; the rest may be left out by hand.
+    given = obj if isinstance(obj, dict) else {}
+    optional = {
+        name: _key(obj, name, kind, where) for name, kind in _OPTIONAL_SOURCE_KEYS if name in given
+    }
     return CostSource(
         hardware=_key(obj, "hardware", str, where),
         dtype=_key(obj, "dtype", str, where),
         mode=_key(obj, "mode", str, where),
-        versions=_key(obj, "versions", dict, where),
-        models=_key(obj, "models", dict, where),
-        grid=_key(obj, "grid", dict, where),
-        details=_key(obj, "details", dict, where),
-        note=_key(obj, "note", str, where),
+        **optional,
     )
 
 
 def _sample_from_json(obj: object, index: int) -> CostSample:
     where = f"samples[{index}]."
+    if isinstance(obj, dict):
+        _only_keys(obj, [f.name for f in fields(CostSample)], where)
     sample = CostSample(
         kind=_key(obj, "kind", str, where),
         batch=_key(obj, "batch", int, where),

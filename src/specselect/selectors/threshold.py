@@ -63,9 +63,9 @@ class ThresholdSelector(Selector):
     """Draft ``max_k`` tokens; verify each request's prefix of tokens with ``q >= threshold``.
 
     A token whose draft probability equals the threshold is kept (for log-probabilities taken
-    of probabilities held in the input's dtype: see :func:`dtype_log_threshold`). ``threshold = 0`` verifies
-    every available token (standard SD with window ``max_k``); ``threshold = 1`` verifies only
-    tokens the draft was certain of.
+    of probabilities held in the input's dtype: see :func:`dtype_log_threshold`).
+    ``threshold = 0`` verifies every available token (standard SD with window ``max_k``);
+    ``threshold = 1`` verifies only tokens the draft was certain of.
 
     With draft trees (``parents=``) a node is verified when every node on its root path, itself
     included, has ``q >= threshold`` and it is at most ``max_k`` deep. That is the chain rule
