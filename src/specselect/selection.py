@@ -42,7 +42,7 @@ from specselect.estimators import (
 )
 from specselect.estimators.base import check_features
 from specselect.topc import top_c_mask as top_c_mask  # public here too
-from specselect.tree import check_parents, path_minima, path_sums
+from specselect.tree import available_nodes, check_parents, path_minima, path_sums
 
 NEG_INF = float("-inf")
 _CAPTURE_TOKENS = itertools.count()  # see Selector.capture_token
@@ -774,3 +774,29 @@ def window_grid_kwargs(k: int, extra: int, budget: int | None) -> dict[str, Any]
 def mask_inactive(lengths: Tensor, active: Tensor | None) -> Tensor:
     """Zero the lengths of inactive rows (``lengths`` ``[B]``, ``active`` ``[B]`` bool)."""
     return lengths if active is None else lengths * active.to(lengths.dtype)
+
+
+def window_selection(
+    draft_logprobs: Tensor,  # [B, K]
+    active: Tensor | None,  # [B] bool
+    window: int | Tensor,  # one for the batch, or [B] int64 per row
+) -> Selection:
+    """Each active row's selectable prefix, at most ``window`` long: the window selectors'
+    chains (fixed SD, DSD, the heuristic, the threshold's confident prefix)."""
+    lengths = available_lengths(draft_logprobs).clamp(max=window)  # [B]
+    return Selection.from_lengths(mask_inactive(lengths, active), draft_logprobs.shape[1])
+
+
+def window_tree_selection(
+    draft_logprobs: Tensor,  # [B, N]
+    active: Tensor | None,  # [B] bool
+    parents: Tensor,  # [B, N]
+    depth: Tensor,  # [B, N] 1 for the root's children
+    window: int | Tensor,  # one depth for the batch, or [B] int64 per row
+) -> Selection:
+    """Every selectable node of an active row at most ``window`` deep: a window read as a
+    depth (DSD, the heuristic). Closed under ancestors, as a node's are shallower."""
+    if isinstance(window, Tensor):
+        window = window.unsqueeze(1)  # [B, 1]
+    available = available_nodes(draft_logprobs, parents)  # [B, N]
+    return Selection.from_mask(available & (depth <= window), active)

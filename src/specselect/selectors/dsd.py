@@ -35,10 +35,9 @@ from specselect.selection import (
     Outcomes,
     Selection,
     Selector,
-    available_lengths,
-    mask_inactive,
+    window_selection,
+    window_tree_selection,
 )
-from specselect.tree import available_nodes
 
 EMA_DECAY = 0.85  # weight of the previous estimate; the step's observation gets 1 - EMA_DECAY
 
@@ -221,16 +220,13 @@ class DSDSelector(Selector):
         return best_window(self._alpha_chosen, rows, self.max_k, self.cost_model, self.context)
 
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
-        rows, width = draft_logprobs.shape
-        lengths = available_lengths(draft_logprobs).clamp(max=self._batch_window(rows))
-        return Selection.from_lengths(mask_inactive(lengths, active), width)
+        return window_selection(draft_logprobs, active, self._batch_window(draft_logprobs.shape[0]))
 
     def _select_tree(
         self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor, depth: Tensor
     ) -> Selection:
         window = self._batch_window(draft_logprobs.shape[0])
-        available = available_nodes(draft_logprobs, parents)  # [B, N]
-        return Selection.from_mask(available & (depth <= window), active)
+        return window_tree_selection(draft_logprobs, active, parents, depth, window)
 
     def _observe(self, outcomes: Outcomes) -> None:
         self._alpha = ema_step(self._alpha, sum(outcomes.deepest), sum(outcomes.accepted))

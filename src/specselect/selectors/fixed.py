@@ -10,9 +10,8 @@ from specselect._checks import check_int
 from specselect.selection import (
     Selection,
     Selector,
-    available_lengths,
-    mask_inactive,
     tree_scores,
+    window_selection,
 )
 from specselect.topc import cheapest_per_row
 
@@ -45,8 +44,7 @@ class FixedWindowSelector(Selector):
         return (self.name, self.k)
 
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
-        lengths = available_lengths(draft_logprobs).clamp(max=self.k)
-        return Selection.from_lengths(mask_inactive(lengths, active), draft_logprobs.shape[1])
+        return window_selection(draft_logprobs, active, self.k)
 
     def _select_tree(
         self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor, depth: Tensor

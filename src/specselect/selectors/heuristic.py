@@ -39,10 +39,9 @@ from specselect.selection import (
     Outcomes,
     Selection,
     Selector,
-    available_lengths,
-    mask_inactive,
+    window_selection,
+    window_tree_selection,
 )
-from specselect.tree import available_nodes
 
 GROW = 2  # window change after a step in which every selected token was accepted
 SHRINK = 1  # window change after a step with a rejection
@@ -203,16 +202,13 @@ class HeuristicSelector(Selector):
         return None if windows is None else list(windows)
 
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
-        windows = self._device_windows(draft_logprobs)  # [B]
-        lengths = torch.minimum(available_lengths(draft_logprobs), windows)
-        return Selection.from_lengths(mask_inactive(lengths, active), draft_logprobs.shape[1])
+        return window_selection(draft_logprobs, active, self._device_windows(draft_logprobs))
 
     def _select_tree(
         self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor, depth: Tensor
     ) -> Selection:
         windows = self._device_windows(draft_logprobs)  # [B]
-        available = available_nodes(draft_logprobs, parents)  # [B, N]
-        return Selection.from_mask(available & (depth <= windows.unsqueeze(1)), active)
+        return window_tree_selection(draft_logprobs, active, parents, depth, windows)
 
     def _observe(self, outcomes: Outcomes) -> None:
         self._watch.observed()

@@ -22,10 +22,9 @@ from specselect.selection import (
     NEG_INF,
     Selection,
     Selector,
-    available_lengths,
     estimator_kwargs,
     leading_run,
-    mask_inactive,
+    window_selection,
 )
 from specselect.tree import path_minima
 
@@ -110,8 +109,7 @@ class ThresholdSelector(Selector):
 
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
         confident = confident_prefix(draft_logprobs, self._log_threshold(draft_logprobs.dtype))
-        lengths = torch.minimum(available_lengths(draft_logprobs), confident).clamp(max=self.max_k)
-        return Selection.from_lengths(mask_inactive(lengths, active), draft_logprobs.shape[1])
+        return window_selection(draft_logprobs, active, confident.clamp(max=self.max_k))
 
     def _select_tree(
         self, draft_logprobs: Tensor, active: Tensor | None, parents: Tensor, depth: Tensor
