@@ -173,8 +173,7 @@ def iter_replay(
         raise TypeError(f"selector must be a specselect Selector, got {type(selector).__name__}")
     slots = check_int("slots", slots, minimum=1)
     cost_model = default_cost_model() if cost_model is None else cost_model
-    n, length, max_k = traces.num_requests, traces.max_new_tokens, traces.max_k
-    prompt_lengths = traces.prompt_lengths
+    n, length = traces.num_requests, traces.max_new_tokens
     selector.reset()
 
     requests = torch.full((slots,), -1, dtype=torch.int64)  # [S]
@@ -188,59 +187,70 @@ def iter_replay(
                 selector.reset()  # which starts its selector afresh
             new = _refill(requests, positions, free, queued, n)
             queued += int(new.sum())
-        active = requests >= 0
-        num_active = int(active.sum())
-        if num_active == 0:
+        if not bool((requests >= 0).any()):
             return
-        most_remaining = length - int(positions[active].min())
-        window = _draft_window(selector, num_active, max_k, most_remaining)
-        shown, runs = _offer(traces, requests, positions, window)
-        if isinstance(selector, OracleSelector):
-            selector.set_runs(runs)
-        # Request ids follow requests: a refilled slot gets a new id and its state is reset.
-        features = None
-        if selector.uses_features:  # [S, K, F]; garbage in empty slots, whose tokens are -inf
-            features = traces.lookup_features[requests.clamp(min=0), positions, :window]
-        selection = selector.select(shown, active, request_ids=requests, features=features)
-        _check_selection(selection, active, window, selector)
-        accepted = torch.minimum(selection.lengths, runs)
-        selector.update(selection, accepted)
-        # What a live loop reads back after the step, as it passes it on.
-        selector.observe(
-            selection.lengths[active].tolist(), accepted[active].tolist(), active=active.tolist()
-        )
-        step_context = (
-            _mean_context(prompt_lengths, requests, positions)
-            if context is None
-            else float(context)
-        )
-        verified = int(selection.lengths.sum())
-        accepted_total = int(accepted.sum())
-        counts = StepCounts(
-            active=num_active,
-            verified=verified,
-            accepted=accepted_total,
-            emitted=accepted_total + num_active,
-            seconds=cost_model.step_time(num_active, window, verified, step_context),
-        )
-        yield ReplayStep(
-            index,
-            requests.clone(),
-            positions.clone(),
-            window,
-            shown,
-            active,
-            runs,
-            selection,
-            accepted,
-            counts,
-            step_context,
-        )
-        positions += torch.where(active, accepted + 1, 0)
-        finished = active & (positions >= length)
+        step = _replay_step(traces, selector, requests, positions, cost_model, context, index)
+        yield step
+        positions += torch.where(step.active, step.accepted + 1, 0)
+        finished = step.active & (positions >= length)
         requests[finished] = -1
         positions[finished] = 0
         index += 1
+
+
+def _replay_step(
+    traces: Traces,
+    selector: Selector,
+    requests: Tensor,  # [S] int64, -1 for an empty slot
+    positions: Tensor,  # [S] int64
+    cost_model: CostModel,
+    context: float | None,
+    index: int,
+) -> ReplayStep:
+    """One step over the occupied slots: the window, what the selector is shown, its
+    selection and feedback (as the live loop gives it), and the step's modelled counts."""
+    active = requests >= 0  # [S]
+    num_active = int(active.sum())
+    most_remaining = traces.max_new_tokens - int(positions[active].min())
+    window = _draft_window(selector, num_active, traces.max_k, most_remaining)
+    shown, runs = _offer(traces, requests, positions, window)
+    if isinstance(selector, OracleSelector):
+        selector.set_runs(runs)
+    features = None
+    if selector.uses_features:  # [S, K, F]; garbage in empty slots, whose tokens are -inf
+        features = traces.lookup_features[requests.clamp(min=0), positions, :window]
+    # Request ids follow requests: a refilled slot gets a new id and its state is reset.
+    selection = selector.select(shown, active, request_ids=requests, features=features)
+    _check_selection(selection, active, window, selector)
+    accepted = torch.minimum(selection.lengths, runs)  # [S]
+    selector.update(selection, accepted)
+    # What a live loop reads back after the step, as it passes it on.
+    selector.observe(
+        selection.lengths[active].tolist(), accepted[active].tolist(), active=active.tolist()
+    )
+    if context is None:
+        context = _mean_context(traces.prompt_lengths, requests, positions)
+    verified, accepted_total = int(selection.lengths.sum()), int(accepted.sum())
+    counts = StepCounts(
+        active=num_active,
+        verified=verified,
+        accepted=accepted_total,
+        emitted=accepted_total + num_active,
+        seconds=cost_model.step_time(num_active, window, verified, context),
+    )
+    return ReplayStep(
+        index,
+        requests.clone(),
+        positions.clone(),
+        window,
+        shown,
+        active,
+        runs,
+        selection,
+        accepted,
+        counts,
+        float(context),
+    )
 
 
 def _offer(
