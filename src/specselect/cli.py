@@ -200,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_compare_parser(commands)
+    _add_profile_parser(commands)
+    return parser
+
+
+def _add_compare_parser(commands: Any) -> None:
     compare = commands.add_parser(
         "compare",
         help="compare selectors (exact greedy replay, or live generation)",
@@ -209,7 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the reference. "
         "Defaults to the pair and prompts shipped with specselect.",
     )
-    models = compare.add_argument_group("models and prompts")
+    _add_model_arguments(compare.add_argument_group("models and prompts"))
+    _add_grid_arguments(compare.add_argument_group("selectors and grids"))
+    _add_run_arguments(compare.add_argument_group("run"))
+    compare.set_defaults(func=run_compare, prog=compare.prog)
+
+
+def _add_model_arguments(models: Any) -> None:
     models.add_argument(
         "--target",
         metavar="DIR",
@@ -245,7 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
         "there, creating its directory as --out does (default: record, and save them as "
         "traces.pt in --out)",
     )
-    grid = compare.add_argument_group("selectors and grids")
+
+
+def _add_grid_arguments(grid: Any) -> None:
     grid.add_argument(
         "--selectors", type=_name_list, default=None, metavar="NAMES", help=_selectors_help()
     )
@@ -273,7 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"'{GOODPUT}' adds TETRIS with the goodput budget (C and the draft depth chosen every "
         "step for modelled goodput, under the cost model of the report) (default: none)",
     )
-    run = compare.add_argument_group("run")
+
+
+def _add_run_arguments(run: Any) -> None:
     run.add_argument(
         "--slots",
         type=_integer("--slots", 1),
@@ -355,9 +371,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no progress bars (neither specselect's nor transformers' weight loading)",
     )
-    compare.set_defaults(func=run_compare, prog=compare.prog)
-    _add_profile_parser(commands)
-    return parser
 
 
 def _add_profile_parser(commands: Any) -> None:
