@@ -373,6 +373,7 @@ BAD_CONSTRUCTION: list[tuple[Callable[[], Any], type, str]] = [
     (lambda: PassCost(1.0, per_token=math.inf), ValueError, "PassCost.per_token must be a finite"),
     (lambda: PassCost(1.0, knee=math.nan), ValueError, "PassCost.knee must be a float >= 0 or inf"),
     (lambda: PassCost(1.0, knee=-4), ValueError, "PassCost.knee must be a float >= 0 or inf"),
+    (lambda: PassCost(10**5000), ValueError, "PassCost.fixed must be a finite float >= 0, got an"),
 ]
 
 
@@ -519,7 +520,11 @@ def test_load_names_the_file_and_the_problem(tmp_path: Path, change: tuple, says
 
 @pytest.mark.parametrize(
     ("text", "says"),
-    [("{not json", "is not valid JSON (line 1"), ("[1, 2]", "expected a JSON object, got list")],
+    [
+        ("{not json", "is not valid JSON (line 1"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('{"version": 1' + "0" * 5000 + "}", "cannot be read as JSON"),  # beyond int parsing
+    ],
 )
 def test_load_rejects_what_is_not_a_cost_document(tmp_path: Path, text: str, says: str) -> None:
     path = tmp_path / "bad.json"

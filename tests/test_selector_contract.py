@@ -21,6 +21,7 @@ import torch
 from conftest import OneDevicePerOp, random_logprobs
 from specselect import make_selector
 from specselect._checks import trusted_values
+from specselect.estimators import AcceptanceEstimator
 from specselect.selection import Selection, Selector
 from specselect.selectors import SELECTORS
 from specselect.tree import available_nodes, chain_parents
@@ -254,7 +255,7 @@ def test_reset_rows_checks_its_mask(name: str, rows: object) -> None:
         selector.reset_rows(rows)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("spec", ["tetris", "tetris+history"])
+@pytest.mark.parametrize("spec", ["tetris", "tetris+history", "tetris+calibrated"])
 def test_request_ids_of_a_new_batch_size_keep_what_was_learned(spec: str) -> None:
     """Ids of another number of slots start a new batch: every slot's per-request state is
     new, but what was learned across requests stays, as when no ids are passed (a full reset
@@ -276,6 +277,46 @@ def test_request_ids_of_a_new_batch_size_keep_what_was_learned(spec: str) -> Non
     fresh.select(probe)
     assert torch.equal(with_ids.last_scores, without_ids.last_scores)
     assert not torch.allclose(with_ids.last_scores, fresh.last_scores)
+
+
+class PerRowBonus(AcceptanceEstimator):
+    """A third-party estimator with per-row state that knows nothing of reset_requests."""
+
+    def __init__(self) -> None:
+        self.bonus: torch.Tensor | None = None  # [B]
+
+    def estimate(
+        self,
+        draft_logprobs: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        features: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.bonus is None:
+            self.bonus = torch.zeros(draft_logprobs.shape[0])
+        return draft_logprobs + self.bonus.unsqueeze(1)
+
+    def _learn(
+        self,
+        draft_logprobs: torch.Tensor,
+        tested: torch.Tensor,
+        passed: torch.Tensor,
+        positions: torch.Tensor | None,
+        features: torch.Tensor | None,
+    ) -> None:
+        assert self.bonus is not None
+        self.bonus -= 0.01
+
+    def reset(self) -> None:
+        self.bonus = None
+
+
+def test_request_ids_of_a_new_batch_size_reset_an_estimator_without_reset_requests() -> None:
+    """By default reset_requests forgets everything: safe for per-row state it cannot see."""
+    selector = SELECTORS["tetris"](2, 1, estimator=PerRowBonus(), guard=False)
+    selection = selector.select(random_logprobs(4, 3, seed=0), request_ids=torch.arange(4))
+    selector.update(selection, selection.lengths)
+    selection = selector.select(random_logprobs(6, 3, seed=1), request_ids=torch.arange(4, 10))
+    assert selection.lengths.shape == (6,)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -66,11 +66,12 @@ def readable_eagerly(t: Tensor) -> bool:
 
 def _values_checkable(t: Tensor) -> bool:
     """Whether reading ``t``'s values is cheap and possible: readable, on the CPU (or
-    anywhere, if asked for). Readability first: it is false while compiling, and Dynamo
-    cannot trace the trusted flag (a ContextVar)."""
+    anywhere, if asked for). Compilation first: Dynamo cannot trace the trusted flag (a
+    ContextVar); the flag before the costlier readability checks, for the loop's sake."""
     return (
-        readable_eagerly(t)
+        not torch.compiler.is_compiling()
         and not _TRUSTED.get()
+        and readable_eagerly(t)
         and (t.device.type == "cpu" or _DEVICE_VALUE_CHECKS)
     )
 

@@ -110,7 +110,8 @@ def _check_real(name: str, value: object, *, allow_inf: bool = False) -> float:
     number = _float_or_inf(value) if isinstance(value, int) else float(value)
     if math.isnan(number) or number < 0 or (math.isinf(number) and not allow_inf):
         expected = "a float >= 0 or inf" if allow_inf else "a finite float >= 0"
-        raise ValueError(f"{name} must be {expected}, got {value}")
+        shown = _huge(value) if isinstance(value, int) and math.isinf(number) else value
+        raise ValueError(f"{name} must be {expected}, got {shown}")
     return number
 
 
@@ -542,14 +543,16 @@ class CostModel:
 
         Keys: ``format`` (:data:`COST_FORMAT`), ``version`` (:data:`COST_VERSION`), ``draft``
         (a :class:`PassCost` as an object, ``knee`` ``null`` for none; or ``null``),
-        ``verify``, ``source`` (a :class:`CostSource` as an object, or ``null``) and
-        ``samples`` (a list of :class:`CostSample` objects).
+        ``verify``, ``source`` (a :class:`CostSource` as an object, or ``null``; its
+        ``versions``, ``models``, ``grid``, ``details`` and ``note`` may be left out) and
+        ``samples`` (a list of :class:`CostSample` objects). No other key: a misspelt one in a
+        hand-edited file would otherwise be ignored.
 
         Raises:
             FileNotFoundError: there is no such file.
             CostFileError: (a ``ValueError``) the file is not JSON, not a cost model, another
-                format version, or has a missing or mistyped key; the message names the file
-                and the key.
+                format version, or has a missing, mistyped or unknown key; the message names
+                the file and the key.
         """
         target = Path(path)
         name = f"cost file {str(target)!r}"
@@ -565,6 +568,8 @@ class CostModel:
             raise CostFileError(
                 f"{name} is not valid JSON (line {exc.lineno}: {exc.msg})"
             ) from None
+        except ValueError as exc:  # an integer beyond Python's digit limit for parsing
+            raise CostFileError(f"{name} cannot be read as JSON ({exc})") from None
         try:
             model = _from_json(document)
         except (KeyError, TypeError, ValueError) as exc:
@@ -843,10 +848,14 @@ def _key(obj: object, key: str, kind: type, where: str) -> Any:
     if isinstance(value, bool) or not isinstance(value, accepted):
         raise TypeError(f"{name!r} must be {_JSON_TYPES[kind]}, got {json.dumps(value)}")
     if kind is float and isinstance(value, int) and not math.isfinite(_float_or_inf(value)):
-        raise ValueError(
-            f"{name!r} must be a finite number, got an integer of {len(str(value))} digits"
-        )
+        raise ValueError(f"{name!r} must be a finite number, got {_huge(value)}")
     return value
+
+
+def _huge(value: int) -> str:
+    """An integer beyond the float range, described by its size: printing it may exceed
+    Python's digit limit for int-to-str conversion."""
+    return f"an integer of about {int(abs(value).bit_length() * math.log10(2)) + 1} digits"
 
 
 def _float_or_inf(value: int) -> float:

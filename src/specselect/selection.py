@@ -479,7 +479,9 @@ class Selector(abc.ABC):
     def reset_requests(self) -> None:
         """Forget the per-request state of every row (every slot holds a new request, maybe of
         a batch of another size), keeping what was learned across requests; :meth:`reset`
-        forgets both."""
+        forgets both. The default resets the estimator's (see
+        :meth:`~specselect.estimators.AcceptanceEstimator.reset_requests`); a selector with
+        per-request state of its own overrides it, as it overrides :meth:`reset_rows`."""
         if self.estimator is not None:
             self.estimator.reset_requests()
 

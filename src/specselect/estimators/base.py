@@ -127,9 +127,11 @@ class AcceptanceEstimator(abc.ABC):
     def reset_rows(self, rows: Tensor) -> None:  # noqa: B027
         """Forget per-request state of ``rows`` (``[B]`` bool); shared state is kept."""
 
-    def reset_requests(self) -> None:  # noqa: B027
+    def reset_requests(self) -> None:
         """Forget the per-request state of every row, at every batch size (every slot holds a
-        new request); shared state is kept."""
+        new request). By default everything (:meth:`reset`), which is safe for any state; an
+        estimator that learns across requests overrides it to keep that."""
+        self.reset()
 
     def to(self, device: torch.device) -> None:  # noqa: B027
         """Move the state to ``device`` as copies, which keep what was learned (nothing to move

@@ -64,6 +64,9 @@ class CalibratedDraft(AcceptanceEstimator):
             _refresh(self._counts, self._prior, self._logits)
         self._cells.clear()
 
+    def reset_requests(self) -> None:
+        """No per-request state: the calibration is learned across requests, and kept."""
+
     def _state(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """``(counts, logits, prior)``, bound on the first step (see :meth:`_fresh`)."""
         if self._counts is None or self._logits is None or self._prior is None:

@@ -218,6 +218,7 @@ def load_traces(path: str | Path) -> Traces:
 
     Raises:
         FileNotFoundError: no such file.
+        IsADirectoryError: the path is a directory.
         ValueError: the file is not a specselect trace file of a supported version (the
             message names the file and what was expected, never torch's advice to unpickle
             it unsafely).
