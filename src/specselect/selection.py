@@ -58,12 +58,6 @@ class _LastSelect:
     positions: Tensor | None  # [B, N] depth - 1 of each node, for a tree selection
     features: Tensor | None  # [B, K, F] per-token features the estimator read
 
-    def tree(self) -> tuple[Tensor, Tensor] | None:
-        """``([B, N] parents, [B, N] depths)`` of a tree selection, ``None`` for a chain."""
-        if self.parents is None or self.positions is None:
-            return None
-        return self.parents, self.positions + 1
-
 
 @dataclass(frozen=True)
 class Outcomes:
@@ -342,8 +336,7 @@ class Selector(abc.ABC):
                 "feedback is once per step (a second call would learn the step twice)"
             )
         if accepted_nodes is not None:
-            tree = None if last is None else last.tree()
-            _check_accepted_nodes(accepted_nodes, selection, num_accepted, tree)
+            _check_accepted_nodes(accepted_nodes, selection, num_accepted, last)
         if self.estimator is not None and last is not None:
             tested, passed = self.outcomes(selection, num_accepted, accepted_nodes)
             given = () if last.features is None else (last.features,)
@@ -603,12 +596,12 @@ def _check_accepted_nodes(
     accepted_nodes: object,
     selection: Selection,
     num_accepted: Tensor,
-    tree: tuple[Tensor, Tensor] | None,
+    last: _LastSelect | None,
 ) -> None:
     """``accepted_nodes`` must be a ``[B, N]`` bool path of selected nodes, ``num_accepted``
-    long per row (its values are checked where they are readable without a sync); with the
-    selected tree's ``([B, N] parents, [B, N] depths)``, a path from the root: every node's
-    parent accepted too, and one node per depth."""
+    long per row (its values are checked where they are readable without a sync); after the
+    tree selection ``last``, a path from the root: every node's parent accepted too, and one
+    node per depth."""
     t = check_tensor("accepted_nodes", accepted_nodes, rank=2)
     if t.dtype != torch.bool or t.shape != selection.mask.shape:
         raise ValueError(
@@ -626,14 +619,15 @@ def _check_accepted_nodes(
             f"accepted_nodes must hold num_accepted nodes per row (the accepted path), got "
             f"{int(counts[row])} in row {row} where num_accepted[{row}] = {int(num_accepted[row])}"
         )
-    if tree is not None:
-        _check_root_paths(t, *tree)
+    if last is not None and last.parents is not None and last.positions is not None:
+        _check_root_paths(t, last.parents, last.positions)
 
 
-def _check_root_paths(accepted: Tensor, parents: Tensor, depth: Tensor) -> None:
-    """Each row of ``accepted`` (``[B, N]`` bool) is one root-to-node path of the tree."""
+def _check_root_paths(accepted: Tensor, parents: Tensor, positions: Tensor) -> None:
+    """Each row of ``accepted`` (``[B, N]`` bool) is one root-to-node path of the tree
+    (``positions``: ``[B, N]`` depth - 1 of each node)."""
     parent_accepted = accepted.gather(1, parents.clamp(min=0)) | (parents < 0)  # [B, N]
-    deepest = torch.where(accepted, depth, 0).amax(dim=1)  # [B]
+    deepest = torch.where(accepted, positions + 1, 0).amax(dim=1)  # [B]
     # Closed under parents, a set of n nodes is a path iff its deepest node is at depth n.
     broken = (accepted & ~parent_accepted).any(dim=1) | (deepest != accepted.sum(dim=1))
     if bool(broken.any()):

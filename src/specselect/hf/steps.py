@@ -582,11 +582,11 @@ class TreeStep(Step):
         """Node scores for the selector (:func:`_selection_scores`): a sampled node was drawn
         from its parent's distribution (``tree.probs`` row ``parent + 1``, the root's first);
         deterministic (top-k) children are judged by their own log q."""
-        if not sampled:
-            return tree.logprobs
-        assert tree.probs is not None
-        expected = expected_self_logprob(tree.probs)  # [b, N + 1]
-        return _selection_scores(tree.logprobs, expected.gather(1, tree.parents + 1), tree.parents)
+        expected = None
+        if sampled:
+            assert tree.probs is not None
+            expected = expected_self_logprob(tree.probs).gather(1, tree.parents + 1)  # [b, N]
+        return _selection_scores(tree.logprobs, expected, tree.parents)
 
     def _mask_unemittable_nodes(
         self, tree: DraftTree, buffers: TreeBuffers, scores: Tensor
