@@ -858,15 +858,22 @@ def test_cuda_one_host_read_per_step(cuda_graphs: bool, config: str) -> None:
     per_wait, _ = implicit_syncs(wait_for_event)
     call = (target, draft, ids, mask, config, [])
     counts = []
-    for new in (6, 30, 30):
+    # The first calls capture (a capture synchronises; the longer call's larger cache makes
+    # the next shorter one capture again); the last two repeat earlier calls exactly (greedy)
+    # and only replay, so their difference is the extra steps' reads and nothing else.
+    for new in (6, 30, 6, 30, 6):
         with HostReads() as reads:
             syncs, out = implicit_syncs(
                 lambda new=new: run(*call, max_new_tokens=new, cuda_graphs=cuda_graphs)
             )
-        counts.append((reads.count, out.stats.totals.steps, syncs))
+        counts.append((reads.count, out.stats.totals.steps, syncs, out.stats.captures))
     release_workspace(target)
-    (short_reads, short_steps, short_syncs), _, (long_reads, long_steps, long_syncs) = counts
-    steps = long_steps - short_steps  # the last call replays
+    (
+        (long_reads, long_steps, long_syncs, long_new),
+        (short_reads, short_steps, short_syncs, short_new),
+    ) = counts[3:]
+    assert short_new == long_new == 0
+    steps = long_steps - short_steps
     assert long_reads - short_reads == HOST_READS_PER_STEP * steps
     assert long_syncs - short_syncs == HOST_READS_PER_STEP * steps * per_wait
 
