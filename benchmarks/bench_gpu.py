@@ -39,9 +39,14 @@ check.
 Every timed call follows an untimed warm-up call of the same shape (graph mode captures there;
 later calls replay). Times are medians of ``--repeats`` calls, synchronised.
 
-Each part is meant to fit one command of at most 10 minutes on an H100 (estimated, not yet
-measured: part b trains for ``--train-minutes`` + ``--distill-minutes``, 4 by default, then
-measures for a few minutes; a, and s with its ``torch.compile`` cells, take less). Every row is
+Each part is meant to fit one command of at most 10 minutes on an H100. Measured there: part a
+took 85 s and part s 103 s (its ``torch.compile`` cells included). Part b tokenizes for about
+half a minute, trains for ``--train-minutes`` + ``--distill-minutes`` (4 by default) and
+measures each batch size for one to three minutes, most of it in the eager rows: in one command
+it measures ``--batch-sizes 1,8``, and ``--batch-sizes 32,64 --repeats 1`` in a second (a fresh
+machine trains its pair again). Part b's rows also give a call's steps (its slowest row's: no
+row stops early) and their split, so a selector that raises the mean tokens per step without
+shortening the batch shows it. Every row is
 printed, and written to ``--output``, as soon as it is measured, and the parts stop measuring
 once ``--time-limit`` seconds have passed (540 by default; 0 for none), so a command stopped at
 a time limit still returns what it measured. A faster way of selecting that fails in part s
@@ -88,8 +93,8 @@ from bench_generate import selector_kwargs
 
 TARGET_1B = {"hidden": 2048, "layers": 22, "heads": 32, "kv_heads": 4, "ffn": 5632, "vocab": 32000}
 DRAFT_70M = {"hidden": 768, "layers": 4, "heads": 12, "kv_heads": 4, "ffn": 2048, "vocab": 32000}
-# Part b: ~105M target and ~9M draft on the shipped 4096-token tokenizer.
-TARGET_100M = {"hidden": 768, "layers": 14, "heads": 12, "kv_heads": 4, "ffn": 2048, "vocab": 4096}
+# Part b: a 107M target and a 7.9M draft on the shipped 4096-token tokenizer.
+TARGET_100M = {"hidden": 768, "layers": 16, "heads": 12, "kv_heads": 4, "ffn": 2048, "vocab": 4096}
 DRAFT_9M = {"hidden": 384, "layers": 4, "heads": 6, "kv_heads": 2, "ffn": 1024, "vocab": 4096}
 SMOKE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128}
 
@@ -605,6 +610,8 @@ class Run:
     identical: int
     tokens_per_step: float | None = None
     vsr: float | None = None
+    steps: int | None = None  # the call's steps: its slowest row's, every row runs to the end
+    cost: StepCost | None = None  # ms per step of the last timed call, split by phase
 
 
 def held_out_prompts(held: Tensor, batch: int, length: int, seed: int) -> Tensor:
@@ -680,6 +687,8 @@ def end_to_end(
                 same(out.sequences),
                 totals.tokens_per_step,
                 totals.vsr,
+                len(out.stats.steps),
+                StepCost.of(label, batch, out.stats),
             )
         )
     release_workspace(target)
@@ -743,6 +752,20 @@ def cost_rows(graphs: bool, model: CostModel | str, args: argparse.Namespace) ->
         )
 
 
+def step_columns(run: Run) -> str:
+    """Part b's steps and per-step split of a ``speculative_generate`` row (blank for HF's):
+    the steps are the slowest row's, so a selector that raises the mean tokens per step but
+    starves a slow row takes as many steps, each dearer (a static batch's makespan)."""
+    if run.cost is None:
+        return " | | | | "
+    split = " | ".join(f"{run.cost.split[phase]:.2f}" for phase in SPLIT_PHASES)
+    return f"{run.steps} | {split}"
+
+
+#: The phases of a part b row's split, in ``StepCost.of``'s names.
+SPLIT_PHASES = ("draft", "select", "verify", "bookkeeping")
+
+
 def part_b(args: argparse.Namespace, device: torch.device) -> Iterator[str]:
     target, draft, _, held = trained_pair(args, device)
     target, draft = target.to(args.dtype), draft.to(args.dtype)
@@ -756,8 +779,11 @@ def part_b(args: argparse.Namespace, device: torch.device) -> Iterator[str]:
         if isinstance(model, CostModel):
             costs[graphs] = model
     yield ""
-    yield "| B | method | s | tok/s | vs generate | vs graph plain | tok/step | VSR | identical |"
-    yield "|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+    yield (
+        "| B | method | s | tok/s | vs generate | vs graph plain | tok/step | VSR | identical "
+        "| steps | ms/step: draft | select | verify | bookkeeping |"
+    )
+    yield "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     with torch.no_grad():
         for batch in args.batch_sizes:
             if out_of_time(args):
@@ -775,7 +801,7 @@ def part_b(args: argparse.Namespace, device: torch.device) -> Iterator[str]:
                 yield (
                     f"| {batch} | {run.method} | {run.seconds:.3f} | {rate:.0f} "
                     f"| {rate / base:.2f}x | {vs_plain} | {tps} | {vsr} "
-                    f"| {run.identical}/{batch} |"
+                    f"| {run.identical}/{batch} | {step_columns(run)} |"
                 )
             if cut:
                 yield time_limit_note(args, f"the rest of batch {batch}")

@@ -311,3 +311,14 @@ def test_gpu_benchmark_measures_the_goodput_budgets_cost_models(
     saved = tmp_path / "b-cost-graph.json"
     assert rows[1].startswith("| graph | 8 | ") and rows[1].endswith(f"| {saved} |")
     assert gpu.CostModel.load(saved).verify_time(8, 8) == costs[True].verify_time(8, 8)
+
+
+def test_gpu_benchmark_trains_a_target_of_100m_and_a_draft_of_a_tenth(
+    bench: Callable[[str], ModuleType],
+) -> None:
+    """Part b's pair has the sizes it promises (counted on the meta device: no weights)."""
+    gpu = bench("bench_gpu")
+    with torch.device("meta"):
+        target, draft = (gpu.llama(shape) for shape in (gpu.TARGET_100M, gpu.DRAFT_9M))
+    assert gpu.params(target) >= 100e6
+    assert gpu.params(draft) <= gpu.params(target) / 10
