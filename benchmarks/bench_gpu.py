@@ -41,12 +41,12 @@ later calls replay). Times are medians of ``--repeats`` calls, synchronised.
 
 Each part is meant to fit one command of at most 10 minutes on an H100. Measured there: part a
 took 85 s and part s 103 s (its ``torch.compile`` cells included). Part b tokenizes for about
-half a minute, trains for ``--train-minutes`` + ``--distill-minutes`` (4 by default) and
-measures each batch size for one to three minutes, most of it in the eager rows: in one command
-it measures ``--batch-sizes 1,8``, and ``--batch-sizes 32,64 --repeats 1`` in a second (a fresh
-machine trains its pair again). Part b's rows also give a call's steps (its slowest row's: no
-row stops early) and their split, so a selector that raises the mean tokens per step without
-shortening the batch shows it. Every row is
+half a minute, trains for ``--train-minutes`` + ``--distill-minutes`` (4 by default) and then
+measures, most of the time in the eager rows: one command measured ``--batch-sizes 1,8`` and
+most of 32; ``--batch-sizes 32,64 --repeats 1`` measured 32 and two rows of 64. So give 32 and
+64 a command each (a fresh machine trains its pair again). Part b's rows also give a call's
+steps (its slowest row's: no row stops early) and their split, so a selector that raises the
+mean tokens per step without shortening the batch shows it. Every row is
 printed, and written to ``--output``, as soon as it is measured, and the parts stop measuring
 once ``--time-limit`` seconds have passed (540 by default; 0 for none), so a command stopped at
 a time limit still returns what it measured. A faster way of selecting that fails in part s

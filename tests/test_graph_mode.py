@@ -36,7 +36,7 @@ from specselect.estimators import DraftProbability
 from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, graphs, speculative_generate
 from specselect.hf.compat import ModelHandle, graph_obstacle
 from specselect.hf.generate import (
-    CPU_TREE_READS_PER_STEP,
+    CPU_EAGER_READS_PER_STEP,
     DEFAULT_CACHE_SLACK,
     HOST_READS_PER_STEP,
     SPAN_ALIGNMENT,
@@ -652,7 +652,8 @@ MANY_EOS = (EOS_ID,) * 32
 
 
 def count_reads(max_new_tokens: int, config: str, eos: tuple[int, ...], graphs: bool):
-    """(host reads, steps) of one generation on the CPU, eager or in trace mode."""
+    """(host reads, steps, drafting steps) of one generation on the CPU, eager or in trace
+    mode."""
     target, draft = tiny_pair("llama", 0, noise=NOISE["llama"])
     ids, mask = left_padded_prompts(4, 2, 8, VOCAB, 0)
     with HostReads() as reads, emulate_on_cpu():
@@ -660,7 +661,8 @@ def count_reads(max_new_tokens: int, config: str, eos: tuple[int, ...], graphs: 
             target, draft, ids, mask, config, list(eos), max_new_tokens=max_new_tokens,
             cuda_graphs=graphs,
         )  # fmt: skip
-    return reads.count, out.stats.totals.steps
+    drafting = sum(depth > 0 for depth in out.stats.draft_depths)
+    return reads.count, out.stats.totals.steps, drafting
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "trace"])
@@ -674,18 +676,23 @@ def test_host_reads_per_step(config: str, eos: tuple[int, ...], graphs: bool) ->
     """Every extra step costs exactly the documented host reads (.item(), .tolist(),
     int()/bool() of a tensor, data-dependent shapes), also with many EOS ids: in graph mode
     HOST_READS_PER_STEP, the read-back, as on an accelerator; eagerly on a CPU, a drafting
-    tree step also reads its widest selection (CPU_TREE_READS_PER_STEP). Two runs of different
-    lengths separate the per-step reads from the one-off setup reads."""
-    short_reads, short_steps = count_reads(6, config, eos, graphs)
-    long_reads, long_steps = count_reads(30, config, eos, graphs)
+    step, chain or tree, also reads its widest selection (CPU_EAGER_READS_PER_STEP; a step
+    that drafts nothing, such as a run's last or a goodput budget's plain step, has none to
+    read). Two runs of different lengths separate the per-step reads from the one-off setup
+    reads."""
+    short_reads, short_steps, short_drafting = count_reads(6, config, eos, graphs)
+    long_reads, long_steps, long_drafting = count_reads(30, config, eos, graphs)
     assert long_steps > short_steps
-    tree = CONFIGS[config][1] is not None
-    per_step = CPU_TREE_READS_PER_STEP if tree and not graphs else HOST_READS_PER_STEP
-    # A run's last step may draft nothing (every row has one token left): no selection to read.
-    tail = 1 if per_step > HOST_READS_PER_STEP else 0
-    assert abs(long_reads - short_reads - per_step * (long_steps - short_steps)) <= tail
-    assert HOST_READS_PER_STEP == 1
-    assert short_reads - short_steps * per_step <= 8  # setup: prompt checks, lengths
+    assert HOST_READS_PER_STEP == 1 and CPU_EAGER_READS_PER_STEP == 2
+    extra = 0 if graphs else CPU_EAGER_READS_PER_STEP - HOST_READS_PER_STEP  # per drafting step
+
+    def step_reads(steps: int, drafting: int) -> int:
+        return HOST_READS_PER_STEP * steps + extra * drafting
+
+    assert long_reads - short_reads == step_reads(long_steps, long_drafting) - step_reads(
+        short_steps, short_drafting
+    )
+    assert short_reads - step_reads(short_steps, short_drafting) <= 8  # setup: checks, lengths
 
 
 def test_cuda_graphs_errors() -> None:

@@ -31,15 +31,15 @@ and replayed (:mod:`specselect.hf.graphs`). Eager and graph mode run the same co
 Host syncs per step: exactly one, the read-back of a ``[7, slots]`` int64 report into pinned
 memory (``GenerationState.read_back``): which rows finished, the per-row statistics (also what
 ``selector.observe`` gets), and both caches' valid counts (for compaction). Everything else
-stays on the device, except on a CPU, where a read waits for nothing: there an eager tree step
-also reads its widest selection, so that its verify pass sends no more nodes than that
-(``CPU_TREE_READS_PER_STEP``). transformers adds no reads of its own, because every pass gets a
-4D attention mask. Selectors that plan on the host (DSD, the goodput budget, HF's heuristic
-schedule) learn from ``observe``, which also says which of the caller's rows the counts are,
-without a read of their own. Argument checks read values only for CPU tensors outside the
-loop (:mod:`specselect._checks`; the loop switches them off for the tensors it makes itself).
-Setup adds a few one-off reads (prompt checks, a seed for a generator of another device, the
-prompts' lengths).
+stays on the device, except on a CPU, where a read waits for nothing: there an eager drafting
+step also reads its widest selection, so that its verify pass sends no more tokens (nodes) than
+that (``CPU_EAGER_READS_PER_STEP``). transformers adds no reads of its own, because every pass
+gets a 4D attention mask. Selectors that plan on the host (DSD, the goodput budget, HF's
+heuristic schedule) learn from ``observe``, which also says which of the caller's rows the
+counts are, without a read of their own. Argument checks read values only for CPU tensors
+outside the loop (:mod:`specselect._checks`; the loop switches them off for the tensors it makes
+itself). Setup adds a few one-off reads (prompt checks, a seed for a generator of another
+device, the prompts' lengths).
 
 Plain decoding: ``selector=None`` decodes one token per step with the same caches, stages and
 graphs (no draft model needed), so speculation's own gain is measured against a baseline that
@@ -88,9 +88,10 @@ _REGISTER = "register_generator_state"
 
 #: Host reads (syncs on an accelerator) per step of the loop itself: the read-back.
 HOST_READS_PER_STEP = 1
-#: Host reads per drafting tree step run eagerly on a CPU: the read-back, and the widest
-#: selection, which sizes the verify pass (``Step.narrow``; a CPU read waits for no device).
-CPU_TREE_READS_PER_STEP = 2
+#: Host reads per drafting step run eagerly on a CPU, chain or tree: the read-back, and the
+#: widest selection, which sizes the verify pass (``Step.narrow``; a CPU read waits for no
+#: device).
+CPU_EAGER_READS_PER_STEP = 2
 
 #: Default cache columns per row beyond prompt + max_new_tokens (holes between compactions).
 DEFAULT_CACHE_SLACK = 64
@@ -745,7 +746,7 @@ class _Loop:
 
 
 __all__ = [
-    "CPU_TREE_READS_PER_STEP",
+    "CPU_EAGER_READS_PER_STEP",
     "DEFAULT_CACHE_SLACK",
     "HOST_READS_PER_STEP",
     "GenerationStats",

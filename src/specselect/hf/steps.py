@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from specselect._checks import check_int
@@ -199,9 +200,24 @@ class Step(abc.ABC):
         the verify stage with a capturable selector)."""
 
     def narrow(self, plan: Plan) -> Plan:
-        """The plan with its verify pass cut to what the selection needs, after an eager
-        :meth:`select` (default: unchanged, the static width)."""
-        return plan
+        """The plan with its verify pass cut to the widest row's selection, after an eager
+        :meth:`select` on a CPU (:attr:`reads_widths`); elsewhere unchanged, the static width.
+
+        The selector's bound is often the whole draft (a budgeted TETRIS row may take every
+        token; a threshold keeps what clears it), so the unused cache columns go back to the
+        target's cache instead of being sent as holes."""
+        if not self.reads_widths or plan.width == 0 or self.selector is None:
+            return plan
+        widest = int(self._selected_counts(plan).max())  # a host read, free on a CPU
+        unused = plan.target_columns - 1 - widest
+        if unused <= 0:
+            return plan
+        self.state.target.release(unused)
+        return replace(plan, target_columns=1 + widest)
+
+    @abc.abstractmethod
+    def _selected_counts(self, plan: Plan) -> Tensor:  # -> [b] int64
+        """The draft tokens (nodes) each slot's selection verifies, after :meth:`select`."""
 
     @property
     def reads_widths(self) -> bool:
@@ -280,33 +296,38 @@ class Step(abc.ABC):
         self._io("num_accepted", (state.size,)).copy_(num_accepted)
         state.write_report(finished, verified, num_accepted, written, deepest)
 
-    def _verify_chain(self, k: int) -> None:
+    def _verify_chain(self, k: int, sent: int) -> None:
         """The flat verify stage (chain steps, and tree steps without a tree).
 
-        Target pass over ``[pending, k drafts]`` (unselected ones as holes), verification,
-        commits, emission and the report. ``k = 0`` is a plain decoding step.
+        Target pass over ``[pending, first sent of the k drafts]`` (unselected ones as holes;
+        every selection fits in ``sent``), verification, commits, emission and the report.
+        ``k = 0`` is a plain decoding step.
         """
         state = self.state
         size = state.size
         active = state.active[:size]
-        tokens = self._io("tokens", (size, k))
+        drafted = self._io("tokens", (size, k))  # [b, k]
         lengths = self._io("lengths", (size,)) if k else torch.zeros_like(state.pending[:size])
-        block = torch.cat([state.pending[:size].unsqueeze(1), tokens], dim=1)  # [b, k + 1]
-        valid = prefix_mask(lengths + 1, k + 1) & active.unsqueeze(1)
-        logits = state.target.forward(block, valid).to(state.device)  # [b, k + 1, V]
+        sent_tokens = drafted[:, :sent]  # [b, sent]
+        block = torch.cat([state.pending[:size].unsqueeze(1), sent_tokens], dim=1)  # [b, sent + 1]
+        valid = prefix_mask(lengths + 1, sent + 1) & active.unsqueeze(1)
+        logits = state.target.forward(block, valid).to(state.device)  # [b, sent + 1, V]
+        # Verification reads no column past a row's selection, but sampling draws for every
+        # column: verifying at the drafted width keeps the random stream the same, sent or not.
+        logits = F.pad(logits, (0, 0, 0, k - sent)) if sent < k else logits  # [b, k + 1, V]
         if not self.params.do_sample:
-            num_accepted, next_token = greedy_verify(tokens, lengths, logits)
+            num_accepted, next_token = greedy_verify(drafted, lengths, logits)
         else:
             probs = self._draft_probs(size, k, logits)
             num_accepted, next_token = rejection_verify(
-                tokens, lengths, probs, self.params.probs(logits), self.generator
+                drafted, lengths, probs, self.params.probs(logits), self.generator
             )
-        state.target.commit(prefix_mask(num_accepted + 1, k + 1))
+        state.target.commit(prefix_mask(num_accepted + 1, sent + 1))
         drafter = state.drafter
         if isinstance(drafter, ChainDrafter):
             d = drafter.handle.device
-            drafter.advance(k, tokens.to(d), num_accepted.to(d), next_token.to(d))
-        self._finish(tokens, num_accepted, next_token, lengths, lengths)
+            drafter.advance(k, drafted.to(d), num_accepted.to(d), next_token.to(d))
+        self._finish(drafted, num_accepted, next_token, lengths, lengths)
 
     def _draft_probs(self, size: int, k: int, like: Tensor) -> Tensor:  # [b, k, V]
         """The persistent buffer of the drafts' distributions (``like``: anything ``[..., V]``)."""
@@ -365,8 +386,11 @@ class ChainStep(Step):
         chosen = state.to_slots(self.selection.lengths) * state.active[:size]
         lengths.copy_(torch.minimum(chosen, available_lengths(scores)))
 
+    def _selected_counts(self, plan: Plan) -> Tensor:  # -> [b] int64
+        return self._io("lengths", (self.state.size,))
+
     def verify(self, plan: Plan) -> None:
-        self._verify_chain(plan.width)
+        self._verify_chain(plan.width, plan.target_columns - 1)
 
     def _mask_unemittable(self, tokens: Tensor, scores: Tensor) -> Tensor:  # [b, k] -> [b, k]
         """The unemittable positions of a chain (see :meth:`Step._unemittable`) at ``-inf``."""
@@ -448,24 +472,13 @@ class TreeStep(Step):
             selected = selected & (selected.to(torch.int64).cumsum(dim=1) <= sent)  # [b, N]
         self._io("selected", (size, nodes), torch.bool).copy_(selected)
 
-    def narrow(self, plan: Plan) -> Plan:
-        """On a CPU, send only as many nodes as the widest row selected, rather than the
-        selector's bound (a budgeted TETRIS row may take every node, so the bound is often the
-        whole tree): the unused cache columns go back to the target's cache."""
-        if not self.reads_widths or plan.width == 0:
-            return plan
-        state = self.state
-        selected = self._io("selected", (state.size, self._spec(plan).num_nodes), torch.bool)
-        widest = int(selected.sum(dim=1).max())  # a host read, free on a CPU
-        unused = plan.target_columns - 1 - widest
-        if unused <= 0:
-            return plan
-        state.target.release(unused)
-        return replace(plan, target_columns=1 + widest)
+    def _selected_counts(self, plan: Plan) -> Tensor:  # -> [b] int64
+        selected = self._io("selected", (self.state.size, self._spec(plan).num_nodes), torch.bool)
+        return selected.sum(dim=1)
 
     def verify(self, plan: Plan) -> None:
         if plan.width == 0:
-            self._verify_chain(0)
+            self._verify_chain(0, 0)
             return
         state = self.state
         size, nodes = state.size, self._spec(plan).num_nodes
