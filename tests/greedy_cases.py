@@ -4,11 +4,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
+import pytest
 import torch
 
 from hf_models import PAD_ID, left_padded_prompts, tiny_pair
+from specselect.hf.kv import ModelCache
 
 NOISE = {"llama": 0.02, "gpt2": 0.04}
 SEEDS = (0, 1)
@@ -85,3 +89,24 @@ def assert_covers_both_endings(outputs) -> None:
     for out, eos in outputs:
         seen.update(row_endings(out.stats, eos, out.sequences, MAX_PROMPT))
     assert {"eos_accepted", "max_new_in_run"} <= seen, seen
+
+
+@contextlib.contextmanager
+def verify_pass_widths(target) -> Iterator[list[int]]:
+    """The width of every pass ``target`` verifies with inside the block (its prefill, which
+    computes last logits only, excluded): a spy on the loop's cache."""
+    widths: list[int] = []
+    forward = ModelCache.forward
+    embedding = target.get_input_embeddings().weight  # (a draft may share target's config)
+
+    def spy(self: ModelCache, input_ids: torch.Tensor, *args: object, **kwargs: object):
+        # (The cache holds a weak proxy of the model: compare what it delegates to.)
+        if self.handle.model.get_input_embeddings().weight is embedding and not kwargs.get(
+            "last_only"
+        ):
+            widths.append(input_ids.shape[1])
+        return forward(self, input_ids, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ModelCache, "forward", spy)
+        yield widths

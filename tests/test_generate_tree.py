@@ -16,7 +16,14 @@ from torch import nn
 from transformers import LlamaForCausalLM
 
 from _stats import ALPHA, chi_square_pvalue
-from greedy_cases import MAX_NEW, MAX_PROMPT, SEEDS, assert_covers_both_endings, case
+from greedy_cases import (
+    MAX_NEW,
+    MAX_PROMPT,
+    SEEDS,
+    assert_covers_both_endings,
+    case,
+    verify_pass_widths,
+)
 from hf_models import (
     ARCHS,
     PAD_ID,
@@ -205,33 +212,27 @@ def test_greedy_tree_cases_cover_both_endings(selector_name: str) -> None:
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "trace"])
 @pytest.mark.parametrize(
-    ("selector_name", "rows", "widest"),
-    [("fixed", 8, 3), ("tetris-paper", 1, 3), ("tetris-paper", 8, TREE.num_nodes)],
+    ("selector_name", "rows", "tree", "widest", "cut"),
+    [
+        ("fixed", 8, TREE, 3, False),
+        ("tetris-paper", 1, TREE, 3, False),
+        ("tetris-paper", 8, TREE, TREE.num_nodes, True),
+        ("threshold", 1, None, 3, True),
+        ("tetris-paper", 8, None, 5, True),
+    ],
+    ids=["fixed-tree", "paper-tree-1", "paper-tree-8", "threshold-chain", "paper-chain"],
 )
-def test_tree_verify_pass_sends_only_what_can_be_selected(
-    selector_name: str, rows: int, widest: int, graphs: bool
+def test_verify_pass_sends_only_what_can_be_selected(
+    selector_name: str, rows: int, tree: TreeSpec | None, widest: int, cut: bool, graphs: bool
 ) -> None:
-    """In graph mode the target's tree pass has a static width: the root and the nodes a row
-    may select, ``k`` for fixed SD, ``k * active`` for TETRIS when the tree has more nodes (one
-    row), the whole tree otherwise. Eagerly on a CPU, where reading the selection is free, each
-    pass holds the root and the widest row's selected nodes. The output stays generate()'s."""
+    """In graph mode the target's verify pass has a static width: the pending token and the
+    tokens a row may select: a chain's whole draft (``k + extra`` for TETRIS), of a tree ``k``
+    nodes for fixed SD, ``k * active`` for TETRIS when the tree has more nodes (one row), the
+    whole tree otherwise. Eagerly on a CPU, where reading the selection is free, each pass
+    holds the pending token and the widest row's selection (``cut``: narrower than the static
+    width at some step). The output stays generate()'s."""
     target, draft, ids, mask, eos, reference = case("llama", 0)
-    widths: list[int] = []
-    forward = ModelCache.forward
-    embedding = target.get_input_embeddings().weight  # (the draft shares target's config)
-
-    def spy(self: ModelCache, input_ids: torch.Tensor, *args: object, **kwargs: object):
-        # (The cache holds a weak proxy of the model: compare what it delegates to.)
-        model = self.handle.model
-        if (
-            model.get_input_embeddings().weight is embedding
-            and kwargs.get("block_mask") is not None
-        ):
-            widths.append(input_ids.shape[1])
-        return forward(self, input_ids, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch, emulate_on_cpu():
-        patch.setattr(ModelCache, "forward", spy)
+    with verify_pass_widths(target) as widths, emulate_on_cpu():
         out = speculative_generate(
             target,
             draft,
@@ -241,16 +242,17 @@ def test_tree_verify_pass_sends_only_what_can_be_selected(
             max_new_tokens=MAX_NEW,
             eos_token_id=eos,
             pad_token_id=PAD_ID,
-            tree=TREE,
+            tree=tree,
             cuda_graphs=graphs,
         )
     assert torch.equal(out.sequences, reference[:rows])
     if graphs:  # (replays do not call forward)
         assert max(widths) == 1 + widest
-    else:  # one pass per step; the last step may be a plain one, without a tree
-        selected = [1 + int(verified.max()) for verified in out.stats.verified_per_step]
-        assert widths == selected[: len(widths)]
-        assert len(widths) >= len(selected) - 1
+    else:  # one pass per step
+        assert widths == [1 + int(verified.max()) for verified in out.stats.verified_per_step]
+        full = max(out.stats.draft_depths)  # the steps that drafted at the static width
+        steps = zip(widths, out.stats.draft_depths, strict=True)
+        assert any(width < 1 + widest for width, depth in steps if depth == full) == cut
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 5])

@@ -8,7 +8,8 @@ replayed. For every context length and batch size of the grid it times
 
 * one draft pass: one token per row, logits of the last column only (as the drafter runs);
 * one verification pass per width ``W``: ``W`` tokens per row, all logits (as the verify stage
-  runs; in the loop ``W = k + 1``, the pending token and ``k`` drafts).
+  runs; in the loop ``W = k + 1``, the pending token and ``k`` drafts, or on a CPU in eager
+  mode the widest row's selection plus one).
 
 Each pass writes the same cache columns again and again (the write position is rewound between
 calls), over a cache whose first ``context`` columns per row count as tokens of the sequence:

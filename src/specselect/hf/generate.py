@@ -12,7 +12,7 @@ One *step* for every active row (:mod:`specselect.hf.steps` has the details):
    sampled token by its own probability would bias the output.
 3. One target pass over the pending token and all ``k`` drafts (or the tree nodes a row may
    select), the unselected ones as holes: a static width, so the host needs no sync to know it
-   (an eager tree step on a CPU, where a read is free, sends only the widest row's selection).
+   (an eager step on a CPU, where a read is free, sends only the widest row's selection).
 4. Greedy or lossless sampling verification; each row emits its accepted drafts plus the
    target's token (cut after an EOS); both caches keep the accepted tokens' entries, the rest
    become holes.

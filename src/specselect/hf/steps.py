@@ -312,12 +312,12 @@ class Step(abc.ABC):
         block = torch.cat([state.pending[:size].unsqueeze(1), sent_tokens], dim=1)  # [b, sent + 1]
         valid = prefix_mask(lengths + 1, sent + 1) & active.unsqueeze(1)
         logits = state.target.forward(block, valid).to(state.device)  # [b, sent + 1, V]
-        # Verification reads no column past a row's selection, but sampling draws for every
-        # column: verifying at the drafted width keeps the random stream the same, sent or not.
-        logits = F.pad(logits, (0, 0, 0, k - sent)) if sent < k else logits  # [b, k + 1, V]
-        if not self.params.do_sample:
-            num_accepted, next_token = greedy_verify(drafted, lengths, logits)
+        if not self.params.do_sample:  # reads no column past a row's selection
+            num_accepted, next_token = greedy_verify(sent_tokens, lengths, logits)
         else:
+            # Sampling draws for every column: verifying at the drafted width (columns not
+            # sent as zero logits, never read) keeps the random stream the same, sent or not.
+            logits = F.pad(logits, (0, 0, 0, k - sent)) if sent < k else logits  # [b, k + 1, V]
             probs = self._draft_probs(size, k, logits)
             num_accepted, next_token = rejection_verify(
                 drafted, lengths, probs, self.params.probs(logits), self.generator
@@ -403,9 +403,11 @@ class ChainStep(Step):
 class TreeStep(Step):
     """Tree steps: draft a tree per slot, select nodes, verify all nodes with the tree mask.
 
-    The verify pass sends each slot's root (the pending token) and all ``N`` nodes in index
-    order (parents before children), the unselected ones as holes, with the tree's ancestor mask
-    and positions ``root position + depth``; both caches keep only the accepted path.
+    The verify pass sends each slot's root (the pending token) and the nodes a row may select
+    (``selector.max_selected``; on a CPU in eager mode the widest row's selection), each row's
+    selected nodes first, in index order (parents before children), the others as holes, with
+    the tree's ancestor mask and positions ``root position + depth``; both caches keep only the
+    accepted path.
     """
 
     def __init__(self, *args: Any, tree: TreeSpec, **kwargs: Any) -> None:
