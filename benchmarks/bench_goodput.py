@@ -19,7 +19,9 @@ selectors plan with. Cost models:
   B = 1/8/32/64 and W = 1/4/8 tokens per row, draft at W = 1);
 * ``cpu-eager``: the shipped pair on one CPU thread, eager (``specselect.cost``'s measured
   default cost model);
-* any ``--cost-model NAME=FILE`` (a cost file from ``specselect profile``).
+* any ``--cost-model NAME=FILE`` (a cost file from ``specselect profile``), e.g.
+  ``h100-measured=benchmarks/costs/h100-graph-94m-pair-bf16.json``, measured on an H100 in
+  graph mode for the smaller pair that ``bench_gpu.py --part b`` trains.
 
     python benchmarks/bench_goodput.py                    # shipped pair, 40 prompts, 64 tokens
     python benchmarks/bench_goodput.py --traces t.pt      # reuse (or save) recorded traces

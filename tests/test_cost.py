@@ -735,3 +735,20 @@ def test_the_shipped_model_is_a_measured_cpu_model() -> None:
     errors = model.relative_errors()
     assert statistics.median(errors) < 0.10 and max(errors) < 0.35
     assert model == CostModel.fit(model.samples, source=model.source)  # the fit of its samples
+
+
+COST_FILES = Path(__file__).resolve().parents[1] / "benchmarks" / "costs"
+
+
+@pytest.mark.parametrize(
+    ("name", "bound"),
+    [("h100-graph-tinyllama-1.1b-bf16.json", 0.10), ("h100-graph-94m-pair-bf16.json", 0.08)],
+)
+def test_the_h100_cost_files_fit_their_samples_as_documented(name: str, bound: float) -> None:
+    """benchmarks/costs' H100 files (graph mode, bfloat16) load, and fit each of their samples
+    within the bound docs/compare.md states."""
+    model = CostModel.load(COST_FILES / name)
+    assert model.source is not None and model.draft is not None
+    assert (model.source.mode, model.source.dtype) == ("cuda", "bfloat16")
+    assert model.source.hardware.startswith("NVIDIA H100")
+    assert max(model.relative_errors()) < bound
