@@ -206,7 +206,7 @@ class Step(abc.ABC):
         The selector's bound is often the whole draft (a budgeted TETRIS row may take every
         token; a threshold keeps what clears it), so the unused cache columns go back to the
         target's cache instead of being sent as holes."""
-        if not self.reads_widths or plan.width == 0 or self.selector is None:
+        if not self.reads_widths or plan.width == 0:  # (plain decoding drafts nothing)
             return plan
         widest = int(self._selected_counts(plan).max())  # a host read, free on a CPU
         unused = plan.target_columns - 1 - widest
