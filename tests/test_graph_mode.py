@@ -695,6 +695,43 @@ def test_host_reads_per_step(config: str, eos: tuple[int, ...], graphs: bool) ->
     assert short_reads - step_reads(short_steps, short_drafting) <= 8  # setup: checks, lengths
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "trace"])
+@pytest.mark.parametrize("config", ["fixed", "goodput", "tetris-tree", "plain"])
+def test_each_step_launches_before_the_last_one_is_accounted(
+    config: str, graphs: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between a step's read-back and the next step's first launch (where a GPU waits for the
+    host) the loop does not take the step's statistics: it takes them after that launch, and
+    the last step's at the end, each step's exactly once and in order (the statistics equal
+    those of every step)."""
+    events: list[str] = []
+    state_class = hf_generate.GenerationState
+
+    def spy(owner: type, name: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            events.append(name)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    spy(state_class, "read_back")
+    spy(state_class, "account")
+    spy(StageRunner, "__call__")
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    with emulate_on_cpu():
+        out = run(target, draft, ids, mask, config, eos, cuda_graphs=graphs)
+    steps = events.count("read_back")
+    assert steps == len(out.stats.steps) == len(out.stats.draft_depths) > 3
+    assert events.count("account") == steps
+    after_read = [events[i + 1] for i, event in enumerate(events[:-1]) if event == "read_back"]
+    assert after_read == ["__call__"] * (steps - 1) + ["account"]
+    accounted = [events[: i + 1].count("read_back") for i, e in enumerate(events) if e == "account"]
+    assert accounted == list(range(1, steps + 1))
+    assert int(out.stats.row_steps.max()) == steps
+
+
 def test_cuda_graphs_errors() -> None:
     """Models on the CPU, whether or not the machine has a GPU: cuda_graphs=True is an error
     that says why, None runs eagerly."""

@@ -735,14 +735,17 @@ class _Loop:
     def _steps(self, state: GenerationState, step: Step, progress: bool) -> None:
         total = state.batch * self.options.max_new_tokens
         with tqdm(total=total, disable=not progress, unit="tok", desc="speculative") as bar:
+            first = True
             while state.num_active:
                 bar.update(step.run())
-                if len(state.stats.steps) == 1:  # every model has run by now
+                if first:  # every model has run by now
                     for cache in state.caches():
                         cache.check_written()
-                if progress:
+                    first = False
+                if progress and state.stats.steps:  # (the steps accounted so far)
                     totals = Totals.of(state.stats.steps)
                     bar.set_postfix(tps=f"{totals.tokens_per_step:.2f}", vsr=f"{totals.vsr:.2f}")
+            bar.update(step.settle())
 
 
 __all__ = [

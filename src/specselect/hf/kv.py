@@ -329,8 +329,13 @@ class ModelCache:
         valid = self.valid.index_select(0, rows)
         columns = _left_padded_columns(valid, width)  # [B', width]
         kept = rows.shape[0]
+        # Every layer's keys and values of one shape share the gather's index: build it once.
+        indices: dict[tuple[torch.Size, torch.device], Tensor] = {}
         for buffer in self.kv.buffers():
-            buffer[:kept, :, :width] = _gather_kv(buffer, rows, columns)
+            where = (buffer.shape, buffer.device)
+            if where not in indices:
+                indices[where] = _gather_index(buffer.shape, rows, columns, buffer.device)
+            buffer[:kept, :, :width] = _gather_kv(buffer, indices[where], kept, width)
         self.valid[:kept, :width] = valid.gather(1, columns)
         self.valid[:, width:] = False
         self.count[:kept] = self.count.index_select(0, rows)
@@ -352,21 +357,27 @@ def _left_padded_columns(valid: Tensor, width: int) -> Tensor:  # [B, L] -> [B, 
     return order[:, valid.shape[1] - width :]
 
 
-def _gather_kv(
-    states: Tensor,  # [S, H, L, D]
+def _gather_index(
+    shape: torch.Size,  # [S, H, L, D] of the states gathered
     rows: Tensor,  # [B'] int64
     columns: Tensor,  # [B', W] int64
-) -> Tensor:  # [B', H, W, D]
-    """``out[b, h, w] = states[rows[b], h, columns[b, w]]`` as one ``index_select``."""
-    slots, heads, length, dim = states.shape
-    device = states.device
-    columns = columns.to(device)
-    kept = columns.shape[0]
-    source = rows.to(device)
+    device: torch.device,
+) -> Tensor:  # [B' * H * W] int64
+    """The rows of ``states.reshape(S * H * L, D)`` that :func:`_gather_kv` picks: for each kept
+    row ``b``, head ``h`` and slot ``w``, row ``rows[b]``'s column ``columns[b, w]``."""
+    _, heads, length, _ = shape
     head_ids = torch.arange(heads, device=device)
-    flat = (source.view(-1, 1, 1) * heads + head_ids.view(1, -1, 1)) * length + columns.unsqueeze(1)
-    picked = states.reshape(slots * heads * length, dim).index_select(0, flat.reshape(-1))
-    return picked.view(kept, heads, columns.shape[1], dim)
+    source = rows.to(device).view(-1, 1, 1)
+    flat = (source * heads + head_ids.view(1, -1, 1)) * length + columns.to(device).unsqueeze(1)
+    return flat.reshape(-1)
+
+
+def _gather_kv(states: Tensor, index: Tensor, kept: int, width: int) -> Tensor:
+    """``[S, H, L, D] -> [kept, H, width, D]``: the rows :func:`_gather_index` chose, as one
+    ``index_select``."""
+    slots, heads, length, dim = states.shape
+    picked = states.reshape(slots * heads * length, dim).index_select(0, index)
+    return picked.view(kept, heads, width, dim)
 
 
 __all__ = ["ModelCache", "SlotCache"]

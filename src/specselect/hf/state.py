@@ -58,7 +58,8 @@ class GenerationStats:
     with the verify pass, which then counts it), ``verify_seconds`` (target pass,
     verification, the device bookkeeping and the selector's update) and ``other_seconds``
     (planning and compaction before the draft, the read-back and the host's bookkeeping after
-    it: statistics, retiring rows) are device times on a GPU (CUDA events, read once at the
+    it: retiring rows, and the previous step's statistics, taken once this step's stages are
+    launched) are device times on a GPU (CUDA events, read once at the
     end) and wall times on a CPU; ``prefill_seconds`` is the prompt pass. ``cache_widths``
     holds the columns in use in each model's cache after each step, ``draft_depths`` each
     step's draft length (a tree's depth; 0 for a plain step); ``compactions`` counts
@@ -209,6 +210,18 @@ class CacheFull(RuntimeError):
             "hold after compaction: pass a larger cache_slack"
         )
         self.columns, self.capacity = columns, capacity
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """A step's read-back and what its statistics need from the moment it was read (the state
+    moves on before :meth:`GenerationState.account` turns it into statistics)."""
+
+    report: list[list[int]]  # [REPORT_ROWS][size], see FINISHED .. DEEPEST
+    slot_rows: list[int]  # per slot: the caller row it served in the step, or -1
+    depth: int  # the step's draft depth (0: a plain step)
+    seconds: float  # the step's wall time
+    cache_widths: tuple[int, int]  # columns in use in the target's and the draft's cache
 
 
 class GenerationState:
@@ -424,28 +437,45 @@ class GenerationState:
         return host.tolist()
 
     # ------------------------------------------------------------------ on the host
-    def record(self, report: list[list[int]], depth: int, seconds: float) -> int:
-        """Per-row statistics of the step (which drafted ``depth`` deep) and retirement; returns
-        tokens written plus the unused budget of retired rows (the progress bar's advance)."""
+    def retire(self, report: list[list[int]], depth: int, seconds: float) -> StepReport:
+        """Bring the host mirrors the next step plans with up to date from a step's read-back
+        (cache counts, new tokens per row, finished rows retired), and return the step's
+        report for :meth:`account`.
+
+        This is all the host must do between the read-back and the next step's first launch,
+        while the device waits; the statistics can wait until that launch has been made."""
+        served = list(self.slot_rows)
+        written, finished = report[WRITTEN], report[FINISHED]
+        self.counts = (report[TARGET_COUNT], report[DRAFT_COUNT])
+        for slot, row in enumerate(served):
+            if row >= 0:
+                self.generated_host[row] += written[slot]
+                if finished[slot]:
+                    self.slot_rows[slot] = -1
+        draft_used = self.drafter.cache.used if self.drafter is not None else 0
+        return StepReport(report, served, depth, seconds, (self.target.used, draft_used))
+
+    def account(self, step: StepReport) -> int:
+        """A retired step's statistics (per row and per step); returns tokens written plus the
+        unused budget of the rows it finished (the progress bar's advance)."""
+        report = step.report
         finished, verified, accepted = report[FINISHED], report[VERIFIED], report[ACCEPTED]
         written = report[WRITTEN]
-        self.counts = (report[TARGET_COUNT], report[DRAFT_COUNT])
         verified_row, accepted_row = [0] * self.batch, [0] * self.batch
         advance = active = 0
-        for slot, row in enumerate(self.slot_rows):
+        per_row = self.per_row
+        for slot, row in enumerate(step.slot_rows):
             if row < 0:
                 continue
             active += 1
             verified_row[row], accepted_row[row] = verified[slot], accepted[slot]
-            self.per_row["verified"][row] += verified[slot]
-            self.per_row["accepted"][row] += accepted[slot]
-            self.per_row["emitted"][row] += accepted[slot] + 1
-            self.per_row["steps"][row] += 1
-            self.generated_host[row] += written[slot]
+            per_row["verified"][row] += verified[slot]
+            per_row["accepted"][row] += accepted[slot]
+            per_row["emitted"][row] += accepted[slot] + 1
+            per_row["steps"][row] += 1
             advance += written[slot]
-            if finished[slot]:
+            if finished[slot]:  # its count is final: retire() saw its last tokens
                 advance += self.options.max_new_tokens - self.generated_host[row]
-                self.slot_rows[slot] = -1
         self.stats.verified_per_step.append(torch.tensor(verified_row))
         self.stats.accepted_per_step.append(torch.tensor(accepted_row))
         accepted_sum = sum(accepted_row)
@@ -455,12 +485,11 @@ class GenerationState:
                 verified=sum(verified_row),
                 accepted=accepted_sum,
                 emitted=accepted_sum + active,
-                seconds=seconds,
+                seconds=step.seconds,
             )
         )
-        draft_used = self.drafter.cache.used if self.drafter is not None else 0
-        self.stats.cache_widths.append((self.target.used, draft_used))
-        self.stats.draft_depths.append(depth)
+        self.stats.cache_widths.append(step.cache_widths)
+        self.stats.draft_depths.append(step.depth)
         return advance
 
     def make_room(self, target_width: int, draft_width: int) -> None:
@@ -468,20 +497,22 @@ class GenerationState:
         bucket if the active rows fit one, and compact every cache the step would overflow."""
         new_size = max(bucket_for(self.num_active, self.graphs), 1)
         shrink = new_size < self.size
-        keep = self._slots_to_keep(new_size)
         caches: list[tuple[ModelCache, int, list[int]]] = [
             (self.target, target_width, self.counts[0])
         ]
         if self.drafter is not None:
             caches.append((self.drafter.cache, draft_width, self.counts[1]))
-        for index, (cache, width, counts) in enumerate(caches):
-            if not shrink and cache.room() >= width:
-                continue
+        if not shrink:  # most steps: only the caches the step would overflow move
+            caches = [entry for entry in caches if entry[0].room() < entry[1]]
+            if not caches:
+                return
+        keep = self._slots_to_keep(new_size)
+        for cache, width, counts in caches:
             used = max(counts[slot] for slot in keep)
             if used + width > cache.capacity:
                 raise CacheFull(used + width, cache.capacity)
             rows = _indices(keep, cache.count.device)
-            if index == 0:
+            if cache is self.target:
                 cache.compact(rows, used)
             else:
                 assert self.drafter is not None
@@ -538,4 +569,5 @@ __all__ = [
     "GenerationStats",
     "Layout",
     "PhaseClock",
+    "StepReport",
 ]

@@ -15,8 +15,11 @@ A step is the same five parts for both (the skeleton is :meth:`Step.run`):
    it; :meth:`Step.narrow` cuts it where a read is free), then greedy or lossless sampling
    verification, both caches' commits, emission and the report;
 5. **update**: ``selector.update`` (eager, or captured with selection), then the state's one
-   read-back, and ``selector.observe`` with the verified, accepted and deepest verified counts
-   it brought back, and which of the caller's rows they are.
+   read-back, ``selector.observe`` with the verified, accepted and deepest verified counts
+   it brought back, and which of the caller's rows they are, and the host mirrors the next plan
+   needs (rows retired, cache counts). The step's statistics wait until the next step's stages
+   are launched (:meth:`Step.settle`): on a GPU the device would otherwise idle while the host
+   takes them.
 
 Stages (2 and 4) run through a :class:`~specselect.hf.graphs.StageRunner`: eagerly, or captured
 per (bucket, widths) and replayed. They exchange data only through the state's persistent
@@ -42,7 +45,14 @@ from specselect._checks import check_int
 from specselect.constants import cached_constant
 from specselect.hf.draft import ChainDrafter, SamplingParams
 from specselect.hf.graphs import StageRunner
-from specselect.hf.state import ACCEPTED, DEEPEST, VERIFIED, GenerationState, PhaseClock
+from specselect.hf.state import (
+    ACCEPTED,
+    DEEPEST,
+    VERIFIED,
+    GenerationState,
+    PhaseClock,
+    StepReport,
+)
 from specselect.hf.tree_draft import DraftTree, TreeDrafter
 from specselect.lookup import LOOKUP_FEATURES, chain_paths, lookup_features
 from specselect.scores import causal_logprobs, expected_self_logprob
@@ -105,9 +115,11 @@ class Step(abc.ABC):
         self.generator = generator
         self.clock = clock
         self.selection: Selection | None = None  # the current step's, for update()
+        self._unaccounted: StepReport | None = None  # read back, statistics not yet taken
 
     def run(self) -> int:
-        """One step; returns the progress bar's advance (see ``GenerationState.record``).
+        """One step; returns the progress bar's advance of the step it accounted (the previous
+        one: see :meth:`settle`).
 
         The clock laps between the phases of :data:`PHASES`: preparation (plan, compaction),
         draft, select, verify, and the host's bookkeeping after the read-back.
@@ -137,20 +149,38 @@ class Step(abc.ABC):
                 lambda: self._select_verify_update(plan),
             )
         clock.lap()
+        advance = self.settle()  # the last step's statistics, while the device runs this one
         report = state.read_back()  # the step's one host sync
         if self.selector is not None:  # the same feedback on the host: no sync of its own
-            served = sorted((row, slot) for slot, row in enumerate(state.slot_rows) if row >= 0)
-            slots = [slot for _, slot in served]  # the active rows' slots, in row order
-            active = [False] * state.batch  # the caller's rows, as select sees them
-            for row, _ in served:
-                active[row] = True
-            verified, accepted, deepest = ([report[r][s] for s in slots] for r in OBSERVED)
-            self.selector.observe(verified, accepted, deepest, active=active)
+            self._observe(report)
         if drafter is not None:
             drafter.advanced(plan.width)
-        advance = state.record(report, plan.width, _now() - start)
+        self._unaccounted = state.retire(report, plan.width, _now() - start)
         clock.lap()
         return advance
+
+    def settle(self) -> int:
+        """Account the last step read back, if not yet (its statistics); returns its progress
+        bar advance (0 if there was none).
+
+        :meth:`run` accounts a step during the next one, after that one's stages are launched:
+        on a GPU the host then works while the device runs them, where right after the
+        read-back the device would wait for it. The loop settles the last step at the end."""
+        step, self._unaccounted = self._unaccounted, None
+        return 0 if step is None else self.state.account(step)
+
+    def _observe(self, report: list[list[int]]) -> None:
+        """``selector.observe`` with the step's outcomes, per active caller row in row order
+        (before the next step plans: a host planner's next draft length depends on them)."""
+        assert self.selector is not None
+        state = self.state
+        served = sorted((row, slot) for slot, row in enumerate(state.slot_rows) if row >= 0)
+        slots = [slot for _, slot in served]  # the active rows' slots, in row order
+        active = [False] * state.batch  # the caller's rows, as select sees them
+        for row, _ in served:
+            active[row] = True
+        verified, accepted, deepest = ([report[r][s] for s in slots] for r in OBSERVED)
+        self.selector.observe(verified, accepted, deepest, active=active)
 
     def _prepare(self) -> Plan:
         """Plan the step and give it its cache columns (compacting, or absorbing a full draft
