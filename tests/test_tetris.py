@@ -27,6 +27,7 @@ from conftest import (
     random_logprobs,
 )
 from specselect import FixedWindowSelector, native, top_c_mask
+from specselect._checks import trusted_values
 from specselect.cost import CostModel
 from specselect.estimators import RankingGuard
 from specselect.selectors import TetrisSelector
@@ -976,8 +977,10 @@ def test_observe_rejects_bad_outcomes(outcomes: tuple, error: type, match: str) 
         selector.observe(*outcomes)
 
 
-def test_observe_takes_a_loops_read_back_as_arrays() -> None:
-    """1-D NumPy arrays and CPU tensors (what a loop reads back) plan as lists do."""
+@pytest.mark.parametrize("trusted", [False, True], ids=["checked", "trusted"])
+def test_observe_takes_a_loops_read_back_as_arrays(trusted: bool) -> None:
+    """1-D NumPy arrays and CPU tensors (what a loop reads back) plan as lists do, also inside
+    trusted_values (a loop's own read-back, taken unchecked)."""
     as_lists, as_arrays = goodput_tetris(COST_SHAPES["flat"]), goodput_tetris(COST_SHAPES["flat"])
     for step in range(4):
         verified, accepted, active = (
@@ -986,7 +989,10 @@ def test_observe_takes_a_loops_read_back_as_arrays() -> None:
             [True, False, True, True],
         )
         as_lists.observe(verified, accepted, active=active)
-        as_arrays.observe(np.array(verified), torch.tensor(accepted), active=torch.tensor(active))
+        with trusted_values() if trusted else contextlib.nullcontext():
+            as_arrays.observe(
+                np.array(verified), torch.tensor(accepted), active=torch.tensor(active)
+            )
         assert as_lists.draft_length(3) == as_arrays.draft_length(3)
     assert as_lists.planner is not None and as_arrays.planner is not None
     assert as_lists.planner.acceptance().tolist() == as_arrays.planner.acceptance().tolist()

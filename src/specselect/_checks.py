@@ -40,13 +40,20 @@ def trusted_values() -> Iterator[None]:
     """Skip value checks inside the block: for a loop passing tensors it made itself.
 
     Argument checks exist for callers' tensors; in a decoding loop they would only re-read (and,
-    on the CPU, spend time on) values the loop computed. Shape and dtype checks still run.
+    on the CPU, spend time on) values the loop computed. Shape and dtype checks still run; the
+    host outcomes a loop read back itself (:meth:`~specselect.selection.Selector.observe`) pass
+    unchecked.
     """
     token = _TRUSTED.set(True)
     try:
         yield
     finally:
         _TRUSTED.reset(token)
+
+
+def values_trusted() -> bool:
+    """Whether the caller is inside :func:`trusted_values`."""
+    return _TRUSTED.get()
 
 
 def readable_eagerly(t: Tensor) -> bool:

@@ -31,6 +31,7 @@ from specselect._checks import (
     check_logprobs,
     check_row_ints,
     check_tensor,
+    values_trusted,
 )
 from specselect.constants import cached_constant
 from specselect.cost import CostModel
@@ -438,8 +439,14 @@ class Selector(abc.ABC):
                 ``deepest`` is missing after a tree selection, or ``active`` does not mark one
                 row per entry.
         """
-        outcomes = check_outcomes(verified, accepted, deepest)
-        rows = None if active is None else check_active_rows(active, len(outcomes[0]))
+        if values_trusted():  # a loop's own read-back, every step: no need to check it
+            tested = _trusted_list(verified)
+            depths = tested if deepest is None else _trusted_list(deepest)
+            outcomes = (tested, _trusted_list(accepted), depths)
+            rows = None if active is None else _trusted_list(active)
+        else:
+            outcomes = check_outcomes(verified, accepted, deepest)
+            rows = None if active is None else check_active_rows(active, len(outcomes[0]))
         tree = self._last is not None and self._last.parents is not None
         if deepest is None and tree and any(outcomes[0]):
             raise ValueError(
@@ -682,6 +689,11 @@ def _host_list(name: str, values: object, entries: str) -> list[Any]:
     if isinstance(values, str | bytes) or not isinstance(values, Sequence):
         raise TypeError(f"{name} must be a sequence of {entries}, got {type(values).__name__}")
     return list(values)
+
+
+def _trusted_list(values: Any) -> list[Any]:
+    """A loop's own host values as a list (a read-back's ``.tolist()`` if it passed arrays)."""
+    return values.tolist() if isinstance(values, np.ndarray | Tensor) else list(values)
 
 
 def _int_list(name: str, values: object) -> list[int]:
