@@ -28,6 +28,11 @@ step, VSR, rows identical to ``generate``. The goodput budget plans with a cost 
 pair measured first in each mode (``CostModel.measure``: the run's batch sizes, widths 1..8),
 printed, and written beside ``--output`` as ``<output>-cost-eager.json`` and
 ``-cost-graph.json``. Its graph row against fixed SD's is the budget's wall-clock check.
+Every row runs to ``--max-new-tokens``, so a static batch lasts as long as its slowest row;
+``--refill N`` runs ``N * B`` prompts through ``B`` slots instead (continuous batching,
+``speculative_generate(..., slots=B)``: a finished row's slot takes the next prompt), and HF
+``generate`` in ``N`` static batches of ``B``: the schedule where a selector's higher mean
+tokens per step can shorten the run.
 
 Part **s** — selection alone: µs per ``select`` + ``update`` at ``K = 8`` drafted tokens per row,
 for fixed k=3, paper and default TETRIS, eager and replayed from a CUDA graph (captured after a
@@ -44,9 +49,10 @@ took 85 s and part s 103 s (its ``torch.compile`` cells included). Part b tokeni
 half a minute, trains for ``--train-minutes`` + ``--distill-minutes`` (4 by default) and then
 measures, most of the time in the eager rows: one command measured ``--batch-sizes 1,8`` and
 most of 32; ``--batch-sizes 32,64 --repeats 1`` measured 32 and two rows of 64. So give 32 and
-64 a command each (a fresh machine trains its pair again). Part b's rows also give a call's
-steps (its slowest row's: no row stops early) and their split, so a selector that raises the
-mean tokens per step without shortening the batch shows it. Every row is
+64 a command each (a fresh machine trains its pair again); ``--refill`` multiplies each
+batch's rows. Part b's rows also give a call's steps (in a static batch its slowest row's: no
+row stops early) and their split, so a selector that raises the mean tokens per step without
+shortening the batch shows it. Every row is
 printed, and written to ``--output``, as soon as it is measured, and the parts stop measuring
 once ``--time-limit`` seconds have passed (540 by default; 0 for none), so a command stopped at
 a time limit still returns what it measured. A faster way of selecting that fails in part s
@@ -610,7 +616,7 @@ class Run:
     identical: int
     tokens_per_step: float | None = None
     vsr: float | None = None
-    steps: int | None = None  # the call's steps: its slowest row's, every row runs to the end
+    steps: int | None = None  # the call's steps (a static batch: its slowest row's)
     cost: StepCost | None = None  # ms per step of the last timed call, split by phase
 
 
@@ -627,33 +633,40 @@ def end_to_end(
     args: argparse.Namespace,
     costs: dict[bool, CostModel],
 ) -> tuple[list[Run], bool]:
-    """Part b at one batch size (prompts without padding, no EOS: every row runs to the end),
-    and whether ``--time-limit`` cut it short. ``costs``: the cost model of each mode (graphs
-    or not) measured on this pair, which goodput-TETRIS plans with; a mode without one has no
-    goodput-TETRIS row."""
-    device, batch, new = ids.device, ids.shape[0], args.max_new_tokens
+    """Part b at one batch size ``B`` (prompts without padding, no EOS: every row runs to the
+    end), and whether ``--time-limit`` cut it short. ``ids`` holds ``B`` prompts, or with
+    ``--refill N`` ``N * B``: ``speculative_generate`` then runs them through ``B`` slots
+    (``slots=B``: a finished row's slot takes the next prompt) and HF in static batches of
+    ``B``. ``costs``: the cost model of each mode (graphs or not) measured on this pair, which
+    goodput-TETRIS plans with; a mode without one has no goodput-TETRIS row."""
+    device, rows, new = ids.device, ids.shape[0], args.max_new_tokens
+    batch = rows // max(args.refill, 1)  # slots
     mask = torch.ones_like(ids)
     common = {"max_new_tokens": new, "eos_token_id": None, "pad_token_id": 0}
-    seconds, reference = timed(
-        lambda: target.generate(ids, attention_mask=mask, do_sample=False, **common),
-        device,
-        args.repeats,
-    )
-    tokens = batch * new
-    runs = [Run(batch, "HF generate (eager)", seconds, tokens, batch)]
+
+    def in_batches(**kwargs: Any) -> Tensor:  # HF: static batches of B
+        return torch.cat(
+            [
+                target.generate(
+                    ids[i : i + batch], attention_mask=mask[i : i + batch], **kwargs, **common
+                )
+                for i in range(0, rows, batch)
+            ]
+        )
+
+    seconds, reference = timed(lambda: in_batches(do_sample=False), device, args.repeats)
+    tokens = rows * new
+    runs = [Run(rows, "HF generate (eager)", seconds, tokens, rows)]
 
     def same(out: Tensor) -> int:
         return int((out == reference).all(dim=1).sum())
 
     if batch == 1:
         seconds, out = timed(
-            lambda: target.generate(
-                ids, attention_mask=mask, assistant_model=draft, do_sample=False, **common
-            ),
-            device,
-            args.repeats,
+            lambda: in_batches(assistant_model=draft, do_sample=False), device, args.repeats
         )
-        runs.append(Run(batch, "HF assisted (eager)", seconds, tokens, same(out)))
+        runs.append(Run(rows, "HF assisted (eager)", seconds, tokens, same(out)))
+    slots = batch if args.refill else None
     configs: list[tuple[str, dict[str, Any] | None, TreeSpec | None]] = [("plain", None, None)]
     configs += [(name, {"name": name, **selector_kwargs(name, args.k)}, None) for name in SELECTORS]
     configs.append(("tetris tree(3,2,2)", {"name": "tetris", "k": args.k}, TreeSpec(3, 2, 2)))
@@ -671,7 +684,7 @@ def end_to_end(
         selector = None if spec is None else make_selector(**spec)
         seconds, out = timed(
             lambda s=selector, t=tree, g=graphs: speculative_generate(
-                target, draft, ids, mask, selector=s, tree=t, cuda_graphs=g, **common
+                target, draft, ids, mask, selector=s, tree=t, cuda_graphs=g, slots=slots, **common
             ),
             device,
             args.repeats,
@@ -680,7 +693,7 @@ def end_to_end(
         mode = "graph" if graphs else "eager"
         runs.append(
             Run(
-                batch,
+                rows,
                 f"{label} ({mode})",
                 seconds,
                 tokens,
@@ -753,9 +766,10 @@ def cost_rows(graphs: bool, model: CostModel | str, args: argparse.Namespace) ->
 
 
 def step_columns(run: Run) -> str:
-    """Part b's steps and per-step split of a ``speculative_generate`` row (blank for HF's):
-    the steps are the slowest row's, so a selector that raises the mean tokens per step but
-    starves a slow row takes as many steps, each dearer (a static batch's makespan)."""
+    """Part b's steps and per-step split of a ``speculative_generate`` row (blank for HF's).
+    In a static batch the steps are the slowest row's, so a selector that raises the mean
+    tokens per step but not the slowest row's takes as many steps, each dearer (the batch's
+    makespan); with ``--refill`` they are the call's, which every row's progress shortens."""
     if run.cost is None:
         return " | | | | "
     split = " | ".join(f"{run.cost.split[phase]:.2f}" for phase in SPLIT_PHASES)
@@ -789,7 +803,8 @@ def part_b(args: argparse.Namespace, device: torch.device) -> Iterator[str]:
             if out_of_time(args):
                 yield time_limit_note(args, f"batch sizes from {batch} on")
                 return
-            ids = held_out_prompts(held, batch, args.prompt, seed=batch).to(device)
+            rows = batch * max(args.refill, 1)
+            ids = held_out_prompts(held, rows, args.prompt, seed=batch).to(device)
             runs, cut = end_to_end(target, draft, ids, args, costs)
             base = runs[0].tokens / runs[0].seconds
             plain = next((r for r in runs if r.method == "plain (graph)"), None)
@@ -801,7 +816,7 @@ def part_b(args: argparse.Namespace, device: torch.device) -> Iterator[str]:
                 yield (
                     f"| {batch} | {run.method} | {run.seconds:.3f} | {rate:.0f} "
                     f"| {rate / base:.2f}x | {vs_plain} | {tps} | {vsr} "
-                    f"| {run.identical}/{batch} | {step_columns(run)} |"
+                    f"| {run.identical}/{rows} | {step_columns(run)} |"
                 )
             if cut:
                 yield time_limit_note(args, f"the rest of batch {batch}")
@@ -826,6 +841,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--steps", type=int, default=32, help="part a: new tokens (steps), at least 2"
     )
     parser.add_argument("--max-new-tokens", type=int, default=128, help="part b: new tokens")
+    parser.add_argument(
+        "--refill",
+        type=int,
+        default=0,
+        metavar="N",
+        help="part b: N * B prompts per batch size B, through B slots (continuous batching: "
+        "speculative_generate(slots=B)); HF generate runs them in N static batches of B. "
+        "0: one static batch of B",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="timed calls (median) per cell")
     parser.add_argument("--cache-dir", help="part b: where the trained pair is kept")
     parser.add_argument("--select-batch-sizes", default="1,8,32,64,256", help="part s")

@@ -1,8 +1,8 @@
 """Batched speculative generation with a HuggingFace target/draft pair.
 
 Runs the shipped tiny pair (random tiny Llama models if it is not installed) on 8 prompts of
-different lengths: greedy with TETRIS, checked token by token against ``target.generate``, then
-sampling at temperature 0.8 with top-p 0.95. Prints the statistics of each run. Runs on one
+different lengths: greedy with TETRIS, checked token by token against ``target.generate``, the
+same through 3 slots (continuous batching), then sampling at temperature 0.8 with top-p 0.95. Prints the statistics of each run. Runs on one
 CPU thread (fastest for models this small).
 
     python examples/batched_generation.py
@@ -84,6 +84,20 @@ def main() -> None:
     report("greedy, TETRIS", greedy)
     print("identical to target.generate:", torch.equal(greedy.sequences, reference))
     print("first continuation:", repr(decode(greedy.sequences[0, prompt_width:])))
+
+    # Continuous batching: at most 3 rows at once; each waiting row takes the slot of the first
+    # row to finish, as a server would serve a queue of requests.
+    queued = speculative_generate(
+        target,
+        draft,
+        input_ids,
+        attention_mask,
+        selector=make_selector("tetris", k=3, extra=2),
+        max_new_tokens=48,
+        slots=3,
+    )
+    report("greedy, TETRIS, 3 slots", queued)
+    print("identical to target.generate:", torch.equal(queued.sequences, reference))
 
     sampled = speculative_generate(
         target,

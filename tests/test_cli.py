@@ -302,6 +302,27 @@ def test_live_oracle_replays_static_batches(live_run: dict) -> None:
     assert "`oracle`" in note and "**modelled**" in note
 
 
+def test_live_refill_runs_the_replays_schedule(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """--mode live --refill: every prompt through --slots slots in one call (continuous
+    batching). The live rows take exactly the steps a refilling replay takes, and so does the
+    oracle row, replayed on that schedule."""
+    pytest.importorskip("specselect.hf")
+    argv = ["compare", *model_args(model_dirs), "--out", str(tmp_path), "--mode", "live"]
+    argv += ["--selectors", "tetris", "--k", "2", "--extra", "1", "--limit", "5", "--slots", "2"]
+    code, _, stderr = run_main([*argv, "--max-new-tokens", "8", "--refill", "--quiet"])
+    assert code == 0, stderr
+    results = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
+    assert results["meta"]["refill"] is True
+    traces = load_traces(tmp_path / "traces.pt")
+    configs = selector_grid(["fixed", "tetris", "oracle"], [2], [1])
+    assert len(results["rows"]) == len(configs)
+    for row, config in zip(results["rows"], configs, strict=True):
+        refilled = replay(traces, config.build(), slots=2).totals
+        static = replay(traces, config.build(), slots=2, refill=False).totals
+        assert refilled.steps < static.steps  # the two schedules differ here
+        assert row["metrics"]["steps"] == refilled.steps, row["selector"]
+
+
 def _bad_inputs(dirs: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], str]]:
     """Named bad command lines and a fragment of the expected error message."""
     (tmp / "empty.txt").write_text("\n \n", encoding="utf-8")
@@ -365,6 +386,7 @@ def _bad_inputs(dirs: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
         "seed overflow": (["--seed", "99999999999999999999999"], "--seed must be between"),
         "empty estimator": (["--selectors", "tetris+"], "argument --selectors: 'tetris+'"),
         "tree without live": ([*models, *prompts, "--tree", "3,2,2"], "--tree needs --mode live"),
+        "refill without live": ([*models, *prompts, "--refill"], "--refill needs --mode live"),
         "bad tree": (["--tree", "3,0,2", "--mode", "live"], "TreeSpec.branch must be >= 1"),
         "tree not a triple": (["--tree", "3,2"], "DEPTH,BRANCH,WIDTH"),
         "unknown estimator": ([*models, *prompts, "--selectors", "tetris+magic"], "'magic'"),
@@ -406,6 +428,7 @@ BAD_CASES = [
     "seed overflow",
     "empty estimator",
     "tree without live",
+    "refill without live",
     "bad tree",
     "tree not a triple",
     "unknown estimator",

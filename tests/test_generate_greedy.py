@@ -534,7 +534,8 @@ def test_drafter_proposes_its_own_greedy_continuation(arch: str) -> None:
     gen = torch.Generator().manual_seed(9)
     rows = list(range(batch))
     with torch.no_grad():
-        drafter.prefill(ids[:, :-1], mask[:, :-1].bool(), ids[:, -1])
+        drafter.reset()
+        drafter.admit(list(range(batch)), ids[:, :-1], mask[:, :-1].bool(), ids[:, -1])
         for step, k in enumerate([3, 0, 2, 3, 1, 0, 0, 4, 3, 2]):
             active = torch.ones(len(rows), dtype=torch.bool)
             drafter.cache.reserve(drafter.footprint(k))

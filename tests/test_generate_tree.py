@@ -123,7 +123,8 @@ def test_tree_drafter_expands_its_own_top_children(arch: str) -> None:
     active = torch.ones(batch, dtype=torch.bool)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        drafter.prefill(ids[:, :-1], mask[:, :-1].bool(), ids[:, -1])
+        drafter.reset()
+        drafter.admit(list(range(batch)), ids[:, :-1], mask[:, :-1].bool(), ids[:, -1])
         for step in range(4):
             drafter.cache.reserve(drafter.tree_footprint(spec))
             tree = drafter.draft_tree(active, spec)

@@ -960,6 +960,39 @@ def test_replay_equals_live(tiny_pair: tuple, model_traces: Traces, name: str, s
     assert replayed.windows == [depth for out in outputs for depth in out.stats.draft_depths]
 
 
+@pytest.mark.skipif(_speculative_generate() is None, reason="specselect.hf is not available")
+@pytest.mark.parametrize("name", sorted(LIVE_CONFIGS))
+def test_refilling_replay_equals_live_slots(tiny_pair: tuple, model_traces: Traces, name: str):
+    """Continuous batching: ``speculative_generate(..., slots=3)`` over every prompt at once
+    (a finished row's slot goes to the next prompt at the next step) runs the schedule that
+    ``replay(refill=True)`` models: the same per-step verified and accepted counts and draft
+    depths, and the recorded target output."""
+    generate = _speculative_generate()
+    assert generate is not None
+    target, draft = tiny_pair
+    config = LIVE_CONFIGS[name]
+    ids, mask = left_pad(model_traces.prompt_ids)
+    out = generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=config.build(default_cost_model()),
+        max_new_tokens=model_traces.max_new_tokens,
+        do_sample=False,
+        eos_token_id=[],
+        pad_token_id=0,
+        slots=3,
+    )
+    assert torch.equal(out.sequences[:, ids.shape[1] :], model_traces.output_ids)
+    replayed = replay(model_traces, config.build(default_cost_model()), slots=3, refill=True)
+    assert [s.active for s in replayed.steps] == [s.active for s in out.stats.steps]
+    live_accepted = [int(a.sum()) for a in out.stats.accepted_per_step]
+    assert [int(a.sum()) for a in replayed.accepted_per_step] == live_accepted
+    assert [s.verified for s in replayed.steps] == [s.verified for s in out.stats.steps]
+    assert replayed.windows == out.stats.draft_depths
+
+
 class FeatureSpy(TetrisSelector):
     """The default TETRIS, recording each step's lookup features of the active rows'
     selectable tokens (row-major). It selects eagerly between the stages (no capture key: its

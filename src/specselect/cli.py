@@ -312,6 +312,13 @@ def _add_run_arguments(run: Any) -> None:
         "speculative_generate and measure wall-clock goodput (default: %(default)s)",
     )
     run.add_argument(
+        "--refill",
+        action="store_true",
+        help="--mode live: run the prompts through --slots slots, each finished row's slot "
+        "taken by the next prompt (continuous batching, as replay schedules them), instead of "
+        "in static batches of --slots",
+    )
+    run.add_argument(
         "--cost-model",
         metavar="FILE",
         type=Path,
@@ -861,6 +868,8 @@ def _compare(args: argparse.Namespace) -> int:
     check_model_args(args)
     if args.tree is not None and args.mode != "live":
         raise UsageError("--tree needs --mode live: recorded traces hold chains, not trees")
+    if args.refill and args.mode != "live":
+        raise UsageError("--refill needs --mode live: replay always refills its slots")
     try:
         configs = selector_grid(_selector_names(args), args.k, args.extra, args.budget)
     except ValueError as exc:
@@ -881,6 +890,7 @@ def _compare(args: argparse.Namespace) -> int:
                 args.slots,
                 cost_model,
                 args.tree,
+                refill=args.refill,
                 progress=not args.quiet,
             )
         except ValueError as exc:  # what the models cannot serve (positions, memory), named
@@ -911,6 +921,7 @@ def _meta(
         "command": shlex.join(["specselect", *args.argv]),
         "mode": args.mode,
         "slots": args.slots,
+        "refill": args.mode == "replay" or args.refill,
         "max_new_tokens": args.max_new_tokens,
         "k": args.k,
         "extra": args.extra,

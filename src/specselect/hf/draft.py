@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specselect.hf.compat import ModelHandle
-from specselect.hf.kv import ModelCache
+from specselect.hf.kv import ModelCache, host_index
 from specselect.sampling import logits_to_probs, sample_from
 
 NEG_INF = float("-inf")
@@ -142,23 +142,28 @@ class ChainDrafter:
         self.probs_dtype = torch.promote_types(handle.dtype, torch.float32)
 
     # ------------------------------------------------------------------ eager
-    def prefill(
-        self,
-        context: Tensor,  # [S, P] int64
-        context_valid: Tensor,  # [S, P] bool
-        pending: Tensor,  # [S] int64
-    ) -> None:
-        """Process the prompt except its last token, which becomes the backlog."""
+    def reset(self) -> None:
+        """A new generation: an empty cache, and backlogs one column wide (the pending token
+        :meth:`admit` puts there)."""
         self.cache.reset()
-        if context.shape[1]:
-            self.cache.reserve(context.shape[1])
-            self.cache.forward(self._embeddable(context), context_valid, last_only=True)
-            self.cache.commit(context_valid)
-        rows = pending.shape[0]
-        self.backlog[:rows, 0] = pending
-        self.backlog_valid[:rows] = False
-        self.backlog_valid[:rows, 0] = True
         self.width = 1
+
+    def admit(
+        self,
+        slots: list[int],
+        context: Tensor,  # [n, P] int64
+        context_valid: Tensor,  # [n, P] bool
+        pending: Tensor,  # [n] int64
+    ) -> None:
+        """Process new prompts into ``slots`` (eager, between steps): each prompt except its
+        last token, which becomes the slot's pending token, the last column of its backlog (the
+        draft's first pass reads its logits there)."""
+        self.cache.admit(slots, self._embeddable(context), context_valid)
+        index = host_index(slots, self.backlog.device)  # [n]
+        last = self.width - 1
+        self.backlog_valid[index] = False
+        self.backlog[index, last] = pending
+        self.backlog_valid[index, last] = True
 
     def footprint(self, k: int) -> int:
         """Cache columns a step drafting ``k`` tokens writes: the backlog, then ``k - 1``; a

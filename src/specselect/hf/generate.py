@@ -126,6 +126,7 @@ def speculative_generate(
     cache_slack: int = DEFAULT_CACHE_SLACK,
     tree: TreeSpec | None = None,
     cuda_graphs: bool | None = None,
+    slots: int | None = None,
 ) -> SpeculativeOutput:
     """Generate with ``target``, drafting with ``draft``, verifying what ``selector`` chooses.
 
@@ -175,12 +176,17 @@ def speculative_generate(
             failed capture earlier in the process); if a capture fails, a warning says why,
             and this and every later call in the process go on eagerly. ``True``: required
             (raises, saying why, where impossible); ``False``: eager.
+        slots: generate at most this many rows at once (continuous batching): the first
+            ``slots`` rows start together, and each row left waits, in row order, for the
+            first slot a finished row frees, instead of for the whole batch. The caches and
+            every pass are ``slots`` rows wide. ``None`` (default): every row at once.
 
     Returns:
         :class:`SpeculativeOutput` with ``sequences`` and :class:`GenerationStats`.
     """
     t_handle, d_handle = _checked_models(target, draft, selector, tokenizer)
     cache_slack = check_int("cache_slack", cache_slack)
+    limit = None if slots is None else check_int("slots", slots, minimum=1)
     check_tree_mode(tree, selector)
     options = resolve_options(
         generation_config,
@@ -232,6 +238,7 @@ def speculative_generate(
             tree,
             mode,
             fall_back=cuda_graphs is None,
+            limit=input_ids.shape[0] if limit is None else limit,
         )
         return loop.run(input_ids, attention_mask, progress)
 
@@ -503,11 +510,13 @@ class _Loop:
         tree: TreeSpec | None,
         mode: Mode,
         fall_back: bool,
+        limit: int,
     ) -> None:
         self.target, self.draft, self.selector = target, draft, selector
         self.options, self.generators = options, generators
         self.slack, self.tree, self.mode = cache_slack, tree, mode
         self.fall_back = fall_back  # a failed capture falls back to eager mode
+        self.limit = limit  # the most rows generated at once
 
     def run(self, input_ids: Tensor, attention_mask: Tensor, progress: bool) -> SpeculativeOutput:
         workspace = self._workspace(input_ids)
@@ -551,13 +560,13 @@ class _Loop:
     ) -> SpeculativeOutput:
         state, runner = workspace.state, workspace.runner
         captured = runner.captures
-        state.start(self.options, input_ids.shape[0])
+        state.start(self.options, input_ids, attention_mask, self.limit)
         clock = PhaseClock(self.target.device, phases=len(PHASES))
         generator = workspace.generators[self.target.device]
         args = (state, runner, self.selector, self.options.sampling, generator, clock)
         step = ChainStep(*args) if self.tree is None else TreeStep(*args, tree=self.tree)
         start = time.perf_counter()
-        self._prefill(state, input_ids, attention_mask)
+        state.admit()  # the first rows' prompts
         state.stats.prefill_seconds = time.perf_counter() - start
         self._steps(state, step, progress)
         stats = state.stats
@@ -656,7 +665,7 @@ class _Loop:
         if graphs:  # every pass attends over the whole capacity: keep its rows aligned
             capacity = -(-capacity // SPAN_ALIGNMENT) * SPAN_ALIGNMENT
         return Layout(
-            slots=max(bucket_for(batch, graphs), 1),
+            slots=max(bucket_for(min(batch, self.limit), graphs), 1),
             capacity=capacity,
             batch=batch,
             max_new_tokens=self.options.max_new_tokens,
@@ -709,34 +718,11 @@ class _Loop:
             return ChainDrafter(*args, static_span=static)
         return TreeDrafter(*args, self.tree.sampled_children, static_span=static)
 
-    def _prefill(self, state: GenerationState, input_ids: Tensor, attention_mask: Tensor) -> None:
-        """Run both models on the prompt except its last token, which becomes pending.
-
-        Slots beyond the caller's rows (padding up to a graph bucket) get empty prompts.
-        """
-        batch, size = state.batch, state.size
-        pad = size - batch
-        ids = torch.cat([input_ids, input_ids.new_zeros(pad, input_ids.shape[1])])
-        mask = torch.cat([attention_mask, attention_mask.new_zeros(pad, input_ids.shape[1])])
-        context, valid = ids[:, :-1], mask[:, :-1].bool()
-        state.target.reset()
-        if context.shape[1]:
-            state.target.reserve(context.shape[1])
-            state.target.forward(context, valid, last_only=True)
-            state.target.commit(valid)
-        state.pending[:size] = ids[:, -1]
-        state.start_window(ids, mask)
-        counts = valid.sum(dim=1).tolist()  # setup read: the rows' lengths
-        state.counts = (counts, counts)
-        if state.drafter is not None:
-            d = self.draft.device if self.draft is not None else state.device
-            state.drafter.prefill(context.to(d), valid.to(d), ids[:, -1].to(d))
-
     def _steps(self, state: GenerationState, step: Step, progress: bool) -> None:
         total = state.batch * self.options.max_new_tokens
         with tqdm(total=total, disable=not progress, unit="tok", desc="speculative") as bar:
             first = True
-            while state.num_active:
+            while state.unfinished:
                 bar.update(step.run())
                 if first:  # every model has run by now
                     for cache in state.caches():

@@ -26,7 +26,9 @@ chain keeps a prefix of its block, a draft tree the accepted path. Commits never
 
 Holes accumulate, so before a step that would run past ``capacity`` the caller compacts
 (:meth:`ModelCache.compact`, eagerly, between steps): the valid columns of the rows that stay are
-gathered into a left-padded layout, dropping finished rows in the same copy.
+gathered into a left-padded layout, dropping finished rows in the same copy. A row that starts
+mid-generation in a freed slot (continuous batching) is prefilled on a cache of its own, whose
+keys and values are copied into the slot's last written columns (:meth:`ModelCache.admit`).
 
 What this relies on in transformers: a model's attention layers call
 ``past_key_values.update(key_states, value_states, layer_idx)`` with ``[B, heads, W, head_dim]``
@@ -265,6 +267,46 @@ class ModelCache:
         self.mark.copy_(self.pos)
 
     # ------------------------------------------------------------------ between steps (eager)
+    def admit(self, slots: list[int], context: Tensor, context_valid: Tensor) -> None:
+        """Prefill ``context`` (``[n, W]`` left-padded tokens, ``context_valid`` ``[n, W]``
+        bool) into the rows ``slots`` (``n`` of them), replacing whatever they held; the other
+        rows are untouched. Eager, between steps, and without a host read.
+
+        Into an empty cache (a generation's first admission, ``slots`` its first ``n`` rows)
+        the pass writes straight into the cache. Later, the other rows' columns are in use, so
+        the pass runs on a cache of its own, ``n`` rows and ``W`` columns, and its keys and
+        values are copied into the last ``W`` written columns of ``slots`` (holes for the
+        other rows; ``pos`` first moves to ``W`` if fewer are written): the positions a key
+        was computed at travel with it, so where it lands does not matter.
+        """
+        width, rows = context.shape[1], len(slots)
+        first = self.used == 0 and slots == list(range(rows))
+        index = host_index(slots, self.valid.device)  # [n]
+        if first or width == 0:
+            self.valid[index] = False
+            self.count[index] = 0
+        if width == 0:
+            return
+        if first:
+            self.reserve(width)
+            self.forward(context, context_valid, last_only=True)
+            self.commit(context_valid)
+            return
+        scratch = ModelCache(self.handle, rows, width, static_span=False)
+        scratch.reserve(width)
+        scratch.forward(context, context_valid, last_only=True)
+        scratch.commit(context_valid)
+        if self.used < width:  # the columns it needs are written for no other row: holes
+            self.pos.fill_(width)
+            self.mark.fill_(width)
+            self._account(width)
+        start = self.used - width
+        for mine, theirs in zip(self.kv.buffers(), scratch.kv.buffers(), strict=True):
+            mine[index.to(mine.device), :, start : self.used] = theirs
+        self.valid[index] = False
+        self.valid[index, start : self.used] = context_valid.to(self.valid.device)
+        self.count[index] = scratch.count.to(self.count.device)
+
     def check_written(self) -> None:
         """Raise unless the model wrote every layer's keys and values into this cache.
 
@@ -346,6 +388,15 @@ class ModelCache:
             self.kv.span = min(-(-width // SPAN_STEP) * SPAN_STEP, self.capacity)
 
 
+def host_index(values: list[int], device: torch.device) -> Tensor:  # -> [len] int64
+    """Host ints as an index tensor on ``device`` without a sync: a copy from pageable memory
+    would wait for the device, one from pinned memory is asynchronous."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _left_padded_columns(valid: Tensor, width: int) -> Tensor:  # [B, L] -> [B, width] int64
     """Source column of each slot of a left-padded layout ``width`` wide.
 
@@ -380,4 +431,4 @@ def _gather_kv(states: Tensor, index: Tensor, kept: int, width: int) -> Tensor:
     return picked.view(kept, heads, width, dim)
 
 
-__all__ = ["ModelCache", "SlotCache"]
+__all__ = ["ModelCache", "SlotCache", "host_index"]

@@ -14,7 +14,9 @@ in graph mode. A slot serves one caller row or is *inactive* (a finished row, or
 the bucket); inactive slots run through the forward passes but write nothing that counts (their
 tokens are holes, their output goes to a scratch row). When the active rows fit a smaller
 bucket, the state *shrinks*: the slots that stay are gathered to the front of every buffer, in
-the same copy that compacts the caches.
+the same copy that compacts the caches. With a ``limit`` below the batch (continuous batching),
+rows beyond it wait, and at the start of each step :meth:`GenerationState.admit` gives the free
+slots to the next of them; the state shrinks only once no row waits.
 
 Tensors on the device are per slot (``[slots]``, used as ``[:size]`` views) or per caller row;
 every list is a host mirror that the host keeps exact from the step's one read-back.
@@ -32,7 +34,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from specselect.hf.compat import ModelHandle
 from specselect.hf.draft import ChainDrafter, SamplingParams
 from specselect.hf.graphs import bucket_for
-from specselect.hf.kv import ModelCache
+from specselect.hf.kv import ModelCache, host_index
 from specselect.hf.options import GenerationOptions
 from specselect.lookup import LOOKUP_WINDOW, push_tokens
 from specselect.metrics import StepCounts, Totals
@@ -48,22 +50,24 @@ class GenerationStats:
     """What happened during one ``speculative_generate`` call (metrics of docs/concepts.md).
 
     Per row: ``verified``/``accepted``/``emitted`` totals, ``generated`` new tokens in
-    ``sequences``, ``row_steps`` steps the row was active (always the first ``row_steps[i]``
-    steps). ``emitted`` counts accepted + 1 per active row and step. When an accepted draft
-    token is EOS the target's extra token after it is dropped from ``sequences``, so a row's
-    emitted count can exceed its real new tokens (``generated``) by one.
+    ``sequences``, ``row_steps`` steps the row was active (consecutive ones: the first
+    ``row_steps[i]`` steps unless the row waited for a slot). ``emitted`` counts accepted + 1
+    per active row and step. When an accepted draft token is EOS the target's extra token
+    after it is dropped from ``sequences``, so a row's emitted count can exceed its real new
+    tokens (``generated``) by one.
 
     Time: ``draft_seconds`` (drafting and the selector's scores), ``select_seconds``
     (selection when it runs between the stages; graph mode replays a capturable selector's
     with the verify pass, which then counts it), ``verify_seconds`` (target pass,
     verification, the device bookkeeping and the selector's update) and ``other_seconds``
-    (planning and compaction before the draft, the read-back and the host's bookkeeping after
-    it: retiring rows, and the previous step's statistics, taken once this step's stages are
-    launched) are device times on a GPU (CUDA events, read once at the
-    end) and wall times on a CPU; ``prefill_seconds`` is the prompt pass. ``cache_widths``
-    holds the columns in use in each model's cache after each step, ``draft_depths`` each
-    step's draft length (a tree's depth; 0 for a plain step); ``compactions`` counts
-    cache compactions and ``captures`` the graphs captured (0 in eager mode).
+    (admitting waiting rows, planning and compaction before the draft, the read-back and the
+    host's bookkeeping after it: retiring rows, and the previous step's statistics, taken once
+    this step's stages are launched) are device times on a GPU (CUDA events, read once at the
+    end) and wall times on a CPU; ``prefill_seconds`` is the first rows' prompt pass.
+    ``cache_widths`` holds the columns in use in each model's cache after each step,
+    ``draft_depths`` each step's draft length (a tree's depth; 0 for a plain step);
+    ``compactions`` counts cache compactions and ``captures`` the graphs captured (0 in eager
+    mode).
     """
 
     steps: list[StepCounts] = field(default_factory=list)
@@ -280,41 +284,100 @@ class GenerationState:
         self.generated_host: list[int] = []  # per caller row
         self.counts: tuple[list[int], list[int]] = ([], [])  # per slot: target, draft count
         self.per_row: dict[str, list[int]] = {}  # per caller row: verified, accepted, ...
+        self.limit = 0  # the most rows active at once
+        self.prompts: tuple[Tensor, Tensor] = (self.rows[:0], self.active[:0])  # ids, bool mask
+        self.lengths: list[int] = []  # per caller row: context (prompt but its last) tokens
+        self.spans: list[int] = []  # per caller row: columns from its first context token on
+        self.admitted = 0  # rows that have had a slot (rows are admitted in order)
 
-    def start(self, options: GenerationOptions, batch: int) -> None:
-        """Begin a generation of ``batch`` rows: reset the per-call state (buffers stay)."""
-        device = self.device
+    def start(
+        self, options: GenerationOptions, input_ids: Tensor, attention_mask: Tensor, limit: int
+    ) -> None:
+        """Begin a generation of the ``[B, P]`` left-padded prompts, at most ``limit`` rows at
+        once: reset the per-call state (buffers stay). :meth:`admit` then starts the rows."""
+        batch = input_ids.shape[0]
         self.options, self.batch = options, batch
+        self.limit = min(batch, limit)
         self.stats = GenerationStats()
         self.out.fill_(options.pad_token_id)
         self.max_new.fill_(options.max_new_tokens)
         self.eos.copy_(torch.tensor(options.eos_token_ids, dtype=torch.int64))
-        size = self.size = max(bucket_for(batch, self.graphs), 1)  # slots in use (the bucket)
+        size = self.size = max(bucket_for(self.limit, self.graphs), 1)  # slots in use (bucket)
         self.rows.fill_(batch)
-        self.rows[:batch] = torch.arange(batch, device=device)
         self.active.zero_()
-        self.active[:batch] = True
         self.generated.zero_()
         self.pending.zero_()
-        self.slot_rows = [*range(batch), *([-1] * (size - batch))]
+        self.prompts = (input_ids.to(self.device), attention_mask.to(self.device).bool())
+        # Setup read: each row's context (prompt but its last token) length and span.
+        context = self.prompts[1][:, :-1]  # [B, P - 1]
+        span = context.shape[1] - context.to(torch.int64).argmax(dim=1) if context.numel() else 0
+        span = torch.where(context.any(dim=1), span, 0)  # columns from the first kept one on
+        self.lengths, self.spans = torch.stack([context.sum(dim=1), span]).tolist()
+        self.admitted = 0  # rows 0 .. admitted - 1 have had a slot
+        self.slot_rows = [-1] * size
         self.generated_host = [0] * batch
         self.counts = ([0] * size, [0] * size)
         self.per_row = {name: [0] * batch for name in ("verified", "accepted", "emitted", "steps")}
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
 
-    def start_window(self, ids: Tensor, mask: Tensor) -> None:
-        """Each slot's recent tokens from its left-padded prompt (``[size, P]`` ids and 0/1
-        mask; the last token included), when the layout keeps them: the tokens the mask
-        keeps, in order (a mask may also leave out tokens between the prompt's first and
-        last, which the models do not see either)."""
+    def admit(self) -> None:
+        """Give the free slots to the rows waiting, in row order, while fewer than ``limit`` are
+        active: prefill both models on their prompts (eager, between steps; no host read).
+
+        The first call starts a generation's first rows; later ones take a finished row's slot
+        (continuous batching), so a batch larger than ``limit`` never waits for its slowest
+        row to start the next one."""
+        if self.admitted == self.batch:  # (most steps)
+            return
+        free = [slot for slot, row in enumerate(self.slot_rows) if row < 0]
+        take = min(len(free), self.batch - self.admitted, self.limit - self.num_active)
+        if take <= 0:
+            return
+        slots, rows = free[:take], list(range(self.admitted, self.admitted + take))
+        self.admitted += take
+        ids, mask = self.prompts
+        index = host_index(rows, self.device)  # [n]
+        ids, mask = ids.index_select(0, index), mask.index_select(0, index)  # [n, P]
+        prompt = ids.shape[1]
+        width = max(self.spans[row] for row in rows)  # context columns the rows need
+        context = ids[:, prompt - 1 - width : prompt - 1]  # [n, width]
+        valid = mask[:, prompt - 1 - width : prompt - 1]
+        self.target.admit(slots, context, valid)
+        if self.drafter is not None:
+            d = self.drafter.handle.device
+            self.drafter.admit(slots, context.to(d), valid.to(d), ids[:, -1].to(d))
+        where = host_index(slots, self.device)  # [n]
+        self.rows[where] = index
+        self.active[where] = True
+        self.generated[where] = 0
+        self.pending[where] = ids[:, -1]
+        self._start_window(where, ids, mask)
+        for slot, row in zip(slots, rows, strict=True):
+            self.slot_rows[slot] = row
+            self.counts[0][slot] = self.counts[1][slot] = self.lengths[row]
+
+    def _start_window(self, slots: Tensor, ids: Tensor, mask: Tensor) -> None:
+        """The recent tokens of the slots ``slots`` (``[n]``) from their left-padded prompts
+        (``[n, P]`` ids and bool mask; the last token included), when the layout keeps them:
+        the tokens the mask keeps, in order (a mask may also leave out tokens between the
+        prompt's first and last, which the models do not see either)."""
         if not self.layout.lookup:
             return
-        size, width = ids.shape[0], LOOKUP_WINDOW
+        width = LOOKUP_WINDOW
         # A stable sort of the 0/1 mask puts the kept columns last, in their order.
-        kept = mask.to(torch.int64).argsort(dim=1, stable=True)  # [size, P]
-        tail = ids.gather(1, kept)[:, -width:].to(self.device, torch.int64)  # [size, <= W]
-        self.window[:size].zero_()
-        self.window[:size, width - tail.shape[1] :] = tail
-        self.filled[:size] = mask.to(self.device).sum(dim=1).clamp(max=width)
+        kept = mask.to(torch.int64).argsort(dim=1, stable=True)  # [n, P]
+        tail = ids.gather(1, kept)[:, -width:].to(torch.int64)  # [n, <= W]
+        window = torch.zeros(ids.shape[0], width, dtype=torch.int64, device=self.device)
+        window[:, width - tail.shape[1] :] = tail
+        self.window[slots] = window
+        self.filled[slots] = mask.sum(dim=1).clamp(max=width)
+
+    @property
+    def unfinished(self) -> bool:
+        """Whether any row is still generating or waiting for a slot."""
+        return self.admitted < self.batch or self.num_active > 0
 
     # ------------------------------------------------------------------ host-side facts
     def caches(self) -> list[ModelCache]:
@@ -511,7 +574,7 @@ class GenerationState:
             used = max(counts[slot] for slot in keep)
             if used + width > cache.capacity:
                 raise CacheFull(used + width, cache.capacity)
-            rows = _indices(keep, cache.count.device)
+            rows = host_index(keep, cache.count.device)
             if cache is self.target:
                 cache.compact(rows, used)
             else:
@@ -529,7 +592,7 @@ class GenerationState:
 
     def _shrink(self, keep: list[int]) -> None:
         """Move the kept slots to the front of every per-slot buffer (caches are done)."""
-        index = _indices(keep, self.device)
+        index = host_index(keep, self.device)
         size = len(keep)
         for buffer in (self.rows, self.active, self.generated, self.pending):
             buffer[:size] = buffer.index_select(0, index)
@@ -550,15 +613,6 @@ class GenerationState:
         stats.generated = torch.tensor(self.generated_host)
         stats.row_steps = torch.tensor(self.per_row["steps"])
         return torch.cat([input_ids, self.out[: self.batch, :new]], dim=1)
-
-
-def _indices(values: list[int], device: torch.device) -> Tensor:  # -> [len] int64
-    """Host ints as an index tensor on ``device`` without a sync: a copy from pageable memory
-    would wait for the device, one from pinned memory is asynchronous."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 __all__ = [

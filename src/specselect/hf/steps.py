@@ -183,9 +183,10 @@ class Step(abc.ABC):
         self.selector.observe(verified, accepted, deepest, active=active)
 
     def _prepare(self) -> Plan:
-        """Plan the step and give it its cache columns (compacting, or absorbing a full draft
-        backlog, first when needed)."""
+        """Start waiting rows in free slots, plan the step and give it its cache columns
+        (compacting, or absorbing a full draft backlog, first when needed)."""
         state = self.state
+        state.admit()  # rows waiting for a slot take the free ones
         plan = self.plan()
         state.make_room(plan.target_columns, plan.draft_columns)
         state.target.reserve(plan.target_columns)

@@ -40,7 +40,7 @@ Where things live (everything is importable from ``specselect.replay`` itself):
   comparison (replayed or live), the row type of :mod:`specselect.report`;
 * :mod:`specselect.replay.live` — live comparisons that run ``speculative_generate`` and
   measure wall-clock goodput (:func:`compare_live`, :func:`live_totals`,
-  :func:`static_oracle_row`);
+  :func:`oracle_row`);
 * :mod:`specselect.replay.provenance` — checks before reusing a trace file: the grid fits it
   (:func:`check_trace_shape`), and it was recorded from these models
   (:func:`check_trace_models`, :func:`model_differences`, :func:`describe_model`) and prompts
@@ -65,7 +65,7 @@ from specselect.replay.grid import (
     compare_replay,
     selector_grid,
 )
-from specselect.replay.live import compare_live, live_totals, static_oracle_row
+from specselect.replay.live import compare_live, live_totals, oracle_row
 from specselect.replay.oracle import OracleSelector
 from specselect.replay.provenance import (
     TraceMismatchError,
@@ -119,11 +119,11 @@ __all__ = [
     "load_traces",
     "match_runs",
     "model_differences",
+    "oracle_row",
     "record_traces",
     "replay",
     "reuse_traces",
     "save_traces",
     "selector_grid",
-    "static_oracle_row",
     "traces_summary",
 ]

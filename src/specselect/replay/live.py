@@ -4,11 +4,13 @@ Replay (:func:`~specselect.replay.compare_replay`) is exact for tokens per step 
 *models* time. :func:`compare_live` runs every configuration through the HuggingFace loop
 instead, under the conventions of the traces (greedy, no EOS stop, every request runs to
 ``max_new_tokens``), in static batches of ``slots`` prompts with a fresh selector per batch,
-and times the calls. Under greedy decoding its tokens per step and VSR equal a replay with
-``refill=False`` exactly; only the seconds are new.
+and times the calls; with ``refill=True``, in one call whose ``slots`` rows take the next
+prompt as they finish (continuous batching, ``speculative_generate(..., slots=...)``). Under
+greedy decoding its tokens per step and VSR equal a replay with the same ``refill`` exactly;
+only the seconds are new.
 
-The oracle cannot run live (it needs the true run lengths): its row is replayed in the same
-static batches, so that it bounds the live rows beside it, and its goodput stays modelled.
+The oracle cannot run live (it needs the true run lengths): its row is replayed on the same
+schedule, so that it bounds the live rows beside it, and its goodput stays modelled.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from specselect.replay.traces import Traces, left_pad
 if TYPE_CHECKING:
     from specselect.hf import TreeSpec
 
-__all__ = ["compare_live", "live_totals", "static_oracle_row"]
+__all__ = ["compare_live", "live_totals", "oracle_row"]
 
 _NO_EOS: list[int] = []
 """Passed as ``eos_token_id``: no token stops a request, as in the traces."""
@@ -51,11 +53,13 @@ def live_totals(
     cost_model: CostModel | None = None,
     tree: TreeSpec | None = None,
     *,
+    refill: bool = False,
     on_batch: Callable[[], object] | None = None,
 ) -> Totals:
-    """Run ``speculative_generate`` over the prompts in static batches of ``slots``.
+    """Run ``speculative_generate`` over the prompts in static batches of ``slots``, or with
+    ``refill`` in one call through ``slots`` slots (continuous batching).
 
-    Greedy, no EOS stop (as the traces), one fresh selector per batch (built with
+    Greedy, no EOS stop (as the traces), one fresh selector per call (built with
     ``cost_model`` when it takes one). Goodput is measured: the totals' seconds are the
     wall-clock time of the ``speculative_generate`` calls, padding and batching excluded.
 
@@ -64,19 +68,22 @@ def live_totals(
         draft: HF causal LM sharing its tokenizer (on any device).
         prompt_ids: one ``[P_i]`` int64 tensor of token ids per request, not padded.
         config: the selector configuration to run.
-        slots: prompts per batch.
+        slots: prompts per batch (rows at once, with ``refill``).
         max_new_tokens: tokens generated per request.
         cost_model: given to selectors that take one (None: their own default).
         tree: draft-tree shape; None runs chains.
-        on_batch: called after each batch (a progress bar's step).
+        refill: one call, a finished row's slot taken by the next prompt, as
+            :func:`~specselect.replay.replay` refills (its default).
+        on_batch: called after each call (a progress bar's step).
     """
     from specselect.hf import speculative_generate
 
     steps: list[StepCounts] = []
     seconds = 0.0
     device = next(target.parameters()).device
-    for start in range(0, len(prompt_ids), slots):
-        ids, mask = left_pad(prompt_ids[start : start + slots], device)  # [b, P] each
+    per_call = len(prompt_ids) if refill else slots
+    for start in range(0, len(prompt_ids), per_call):
+        ids, mask = left_pad(prompt_ids[start : start + per_call], device)  # [b, P] each
         selector = config.build(cost_model)
         began = time.perf_counter()
         output = speculative_generate(
@@ -90,6 +97,7 @@ def live_totals(
             eos_token_id=_NO_EOS,
             pad_token_id=0,
             tree=tree,
+            slots=slots,
         )
         seconds += time.perf_counter() - began
         steps.extend(output.stats.steps)
@@ -98,16 +106,22 @@ def live_totals(
     return replace(Totals.of(steps), seconds=seconds)
 
 
-def static_oracle_row(
-    traces: Traces, config: SelectorConfig, slots: int, cost_model: CostModel | None = None
+def oracle_row(
+    traces: Traces,
+    config: SelectorConfig,
+    slots: int,
+    cost_model: CostModel | None = None,
+    *,
+    refill: bool = False,
 ) -> ResultRow:
-    """The oracle replayed in static batches (``refill=False``), as the live rows run.
+    """The oracle replayed on the live rows' schedule: static batches, or with ``refill``
+    refilling slots.
 
-    A refilling replay would batch the requests differently from the live rows beside it, so
-    its bound would not be a bound for them.
+    Replayed on another schedule, it would batch the requests differently from the live rows
+    beside it, so its bound would not be a bound for them.
     """
     cost_model = default_cost_model() if cost_model is None else cost_model
-    result = replay(traces, config.build(cost_model), slots, cost_model, refill=False)
+    result = replay(traces, config.build(cost_model), slots, cost_model, refill=refill)
     return ResultRow.replayed(config, result)
 
 
@@ -120,6 +134,7 @@ def compare_live(
     cost_model: CostModel | None = None,
     tree: TreeSpec | None = None,
     *,
+    refill: bool = False,
     progress: bool = False,
 ) -> list[ResultRow]:
     """Live rows for every configuration on the traces' prompts; the oracle gets a replay row.
@@ -133,8 +148,10 @@ def compare_live(
     one-off initialisation, which would otherwise be charged to the first configuration.
 
     ``cost_model`` is given to selectors that take one (DSD) and prices the oracle's replayed
-    row; None: :func:`~specselect.cost.default_cost_model`. ``progress`` shows a tqdm bar over
-    the live runs' batches (every run's, chains and trees; the oracle's replay is not one).
+    row; None: :func:`~specselect.cost.default_cost_model`. ``refill`` runs the prompts through
+    ``slots`` refilling slots instead of static batches (see :func:`live_totals`).
+    ``progress`` shows a tqdm bar over the live runs' calls (every run's, chains and trees; the
+    oracle's replay is not one).
     """
     from tqdm.auto import tqdm
 
@@ -143,13 +160,13 @@ def compare_live(
     max_new_tokens = traces.max_new_tokens
     live_totals(target, draft, prompt_ids[:slots], _WARM_UP, slots, _WARM_UP_TOKENS, cost_model)
     runs = _live_runs(configs, tree)
-    batches = -(-len(prompt_ids) // slots)  # ceil
-    total = batches * sum(not config.replay_only for config, _ in runs)
+    calls = 1 if refill else -(-len(prompt_ids) // slots)  # ceil
+    total = calls * sum(not config.replay_only for config, _ in runs)
     rows = []
     with tqdm(total=total, desc="live", unit="batch", disable=not progress, leave=False) as bar:
         for config, shape in runs:
             if config.replay_only:
-                rows.append(static_oracle_row(traces, config, slots, cost_model))
+                rows.append(oracle_row(traces, config, slots, cost_model, refill=refill))
                 continue
             totals = live_totals(
                 target,
@@ -160,6 +177,7 @@ def compare_live(
                 max_new_tokens,
                 cost_model,
                 shape,
+                refill=refill,
                 on_batch=bar.update,
             )
             rows.append(ResultRow(config, totals, MEASURED, tree=shape))

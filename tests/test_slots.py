@@ -1,0 +1,129 @@
+"""Continuous batching: ``speculative_generate(..., slots=N)`` generates at most ``N`` rows at
+once, and a waiting row takes the first slot a finished row frees.
+
+A row admitted mid-run is prefilled on a cache of its own and copied into its slot beside rows
+that are many steps in (:meth:`~specselect.hf.kv.ModelCache.admit`); its output must still be
+``generate()``'s, greedy, and follow the target's distribution, sampling. Eager mode and graph
+mode (trace mode on the CPU: buckets, static buffers, the same captured stages).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from greedy_cases import BATCH, MAX_NEW, case
+from hf_models import PAD_ID
+from sampling_cases import MAX_NEW as SAMPLED_NEW
+from sampling_cases import assert_follows_target, interleaved_prompts, sampling_pair
+from specselect import make_selector
+from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, speculative_generate
+from specselect.hf.generate import HOST_READS_PER_STEP
+
+CONFIGS = {
+    "fixed": ({"name": "fixed", "k": 3}, None),
+    "tetris": ({"name": "tetris", "k": 3, "extra": 2}, None),
+    "tetris-tree": ({"name": "tetris", "k": 3, "extra": 2}, TreeSpec(3, 2, 2)),
+    "plain": (None, None),
+}
+
+
+def generate(config: str, slots: int | None, graphs: bool, arch: str = "llama", **kwargs):
+    """One greedy call on the shared greedy case (8 rows, EOS ends about half of them early)."""
+    spec, tree = CONFIGS[config]
+    target, draft, ids, mask, eos, _ = case(arch, 0)
+    selector = None if spec is None else make_selector(**spec)
+    with emulate_on_cpu():
+        return speculative_generate(
+            target,
+            draft,
+            ids,
+            mask,
+            selector=selector,
+            tree=tree,
+            max_new_tokens=kwargs.pop("max_new_tokens", MAX_NEW),
+            eos_token_id=eos,
+            pad_token_id=PAD_ID,
+            cuda_graphs=graphs,
+            slots=slots,
+            **kwargs,
+        )
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "trace"])
+@pytest.mark.parametrize("slots", [1, 3])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_rows_admitted_mid_run_equal_generate(
+    arch: str, config: str, slots: int, graphs: bool
+) -> None:
+    """Every row equals generate()'s, whether it started with the first ones or took a slot a
+    finished row freed; never more than ``slots`` rows run at once, and the call takes more
+    steps than a batch running every row at once (rows wait)."""
+    out = generate(config, slots, graphs, arch)
+    _, _, _, _, _, reference = case(arch, 0)
+    assert torch.equal(out.sequences, reference)
+    steps = out.stats.steps
+    assert max(step.active for step in steps) == slots
+    assert sum(step.active for step in steps) == int(out.stats.row_steps.sum())
+    assert len(steps) > len(generate(config, None, graphs, arch).stats.steps)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "trace"])
+def test_slots_keep_one_host_read_per_step(graphs: bool) -> None:
+    """Admissions read nothing back: every row's prompt length is read once, at the start. Two
+    calls of different lengths separate the per-step reads from the setup reads (eagerly on a
+    CPU a chain step also reads its widest selection, which plain decoding does not have)."""
+
+    def reads(max_new_tokens: int) -> tuple[int, int]:
+        with HostReads() as counted:
+            out = generate("plain", 3, graphs, max_new_tokens=max_new_tokens)
+        return counted.count, len(out.stats.steps)
+
+    short_reads, short_steps = reads(6)
+    long_reads, long_steps = reads(30)
+    assert long_steps > short_steps
+    assert long_reads - short_reads == HOST_READS_PER_STEP * (long_steps - short_steps)
+
+
+def test_sampled_rows_admitted_mid_run_follow_the_target() -> None:
+    """Sampling stays lossless for rows that take a freed slot: 5,000 rows through 700 slots
+    (rows finish after different numbers of steps, so they are admitted into scattered slots),
+    chi-square against the exact target distribution (tests/_stats.py's level)."""
+    target, draft = sampling_pair()
+    ids, mask = interleaved_prompts(2500)
+    config = {"temperature": 1.0}
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=make_selector("tetris", k=1, extra=1),
+        max_new_tokens=SAMPLED_NEW,
+        do_sample=True,
+        eos_token_id=[],
+        generator=torch.Generator().manual_seed(1234),
+        slots=700,
+        **config,
+    )
+    assert max(step.active for step in out.stats.steps) == 700
+    assert_follows_target(target, out.sequences[:, ids.shape[1] :], config)
+
+
+@pytest.mark.parametrize(
+    ("slots", "error", "match"),
+    [
+        (0, ValueError, "slots must be >= 1, got 0"),
+        (2.5, TypeError, "slots must be an int, got float"),
+        (True, TypeError, "slots must be an int, got bool"),
+    ],
+)
+def test_bad_slots_are_refused(slots: object, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        generate("fixed", slots, False)  # type: ignore[arg-type]
+
+
+def test_more_slots_than_rows_is_every_row_at_once() -> None:
+    more, every = generate("fixed", BATCH + 5, False), generate("fixed", None, False)
+    assert torch.equal(more.sequences, every.sequences)
+    assert [s.active for s in more.stats.steps] == [s.active for s in every.stats.steps]
