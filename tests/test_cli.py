@@ -1015,7 +1015,8 @@ def test_live_progress_follows_quiet(
     pytest.importorskip("specselect.hf")
     calls: list[object] = []
 
-    def spy(*args: object, progress: bool) -> list[ResultRow]:
+    def spy(*args: object, progress: bool, refill: bool) -> list[ResultRow]:
+        assert refill is False
         calls.append(progress)
         raise KeyboardInterrupt  # enough seen: no need to run the models
 

@@ -338,6 +338,8 @@ class GenerationState:
         slots, rows = free[:take], list(range(self.admitted, self.admitted + take))
         self.admitted += take
         ids, mask = self.prompts
+        if self.admitted == self.batch:  # a kept workspace keeps no caller's prompts
+            self.prompts = (self.rows[:0], self.active[:0])
         index = host_index(rows, self.device)  # [n]
         ids, mask = ids.index_select(0, index), mask.index_select(0, index)  # [n, P]
         prompt = ids.shape[1]
