@@ -170,7 +170,9 @@ class StepCost:
 
     @staticmethod
     def of(label: str, batch: int, stats: Any) -> StepCost:
-        """ms per step of one call's ``stats`` (prefill excluded), split by phase."""
+        """ms per step of one call's ``stats`` (the first rows' prefill excluded; with
+        ``--refill``, the prefills of rows started mid-run are in "bookkeeping"), split by
+        phase."""
         steps = max(len(stats.steps), 1)
         split = {
             "draft": stats.draft_seconds,

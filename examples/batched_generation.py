@@ -2,8 +2,8 @@
 
 Runs the shipped tiny pair (random tiny Llama models if it is not installed) on 8 prompts of
 different lengths: greedy with TETRIS, checked token by token against ``target.generate``, the
-same through 3 slots (continuous batching), then sampling at temperature 0.8 with top-p 0.95. Prints the statistics of each run. Runs on one
-CPU thread (fastest for models this small).
+same through 3 slots (continuous batching), then sampling at temperature 0.8 with top-p 0.95.
+Prints the statistics of each run. Runs on one CPU thread (fastest for models this small).
 
     python examples/batched_generation.py
 """

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from greedy_cases import BATCH, MAX_NEW, case
-from hf_models import PAD_ID
+from greedy_cases import BATCH, MAX_NEW, NOISE, case
+from hf_models import PAD_ID, tiny_pair
 from sampling_cases import MAX_NEW as SAMPLED_NEW
 from sampling_cases import assert_follows_target, interleaved_prompts, sampling_pair
-from specselect import make_selector
+from specselect import FixedWindowSelector, make_selector
 from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, speculative_generate
 from specselect.hf.generate import HOST_READS_PER_STEP
 
@@ -69,15 +69,61 @@ def test_rows_admitted_mid_run_equal_generate(
     assert len(steps) > len(generate(config, None, graphs, arch).stats.steps)
 
 
+class LateDrafter(FixedWindowSelector):
+    """Fixed SD that drafts nothing for its first steps (as DSD or the goodput budget may when
+    drafting does not pay): the draft model runs no pass until then."""
+
+    def __init__(self, idle: int) -> None:
+        super().__init__(k=3)
+        self.idle = idle
+
+    def draft_length(self, num_active: int) -> int:
+        self.idle -= 1
+        return 0 if self.idle >= 0 else super().draft_length(num_active)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "trace"])
+def test_a_row_admitted_before_the_draft_ever_ran(graphs: bool) -> None:
+    """The first rows' one-token prompts give the draft nothing to prefill, and no step drafts
+    at first: the draft's cache is unwritten when the third row, with a longer prompt, takes the
+    second row's slot (the second row stops at EOS after two tokens). Its prefill is copied into
+    a cache allocated then; the output is generate()'s."""
+    target, draft = tiny_pair("llama", 0, noise=NOISE["llama"])
+    ids = torch.tensor([[0, 0, 0, 0, 5], [0, 0, 0, 0, 7], [9, 10, 11, 12, 13]])
+    mask = (ids != PAD_ID).to(torch.int64)
+    kwargs = {"attention_mask": mask, "max_new_tokens": 8, "pad_token_id": PAD_ID}
+    free = target.generate(ids, do_sample=False, eos_token_id=[], **kwargs)
+    eos = int(free[1, ids.shape[1] + 1])  # the second row's second token
+    reference = target.generate(ids, do_sample=False, eos_token_id=eos, **kwargs)
+    assert (reference[1, ids.shape[1] + 2 :] == PAD_ID).all()  # it does stop early
+    with emulate_on_cpu():
+        out = speculative_generate(
+            target,
+            draft,
+            ids,
+            selector=LateDrafter(idle=4),
+            eos_token_id=eos,
+            cuda_graphs=graphs,
+            slots=2,
+            **kwargs,
+        )
+    assert out.stats.draft_depths[:3] == [0, 0, 0]
+    assert torch.equal(out.sequences, reference)
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "trace"])
 def test_slots_keep_one_host_read_per_step(graphs: bool) -> None:
     """Admissions read nothing back: every row's prompt length is read once, at the start. Two
     calls of different lengths separate the per-step reads from the setup reads (eagerly on a
-    CPU a chain step also reads its widest selection, which plain decoding does not have)."""
+    CPU a chain step also reads its widest selection, which plain decoding does not have). Both
+    replay every stage: a capture would add reads of its own."""
+    for warm_up in (30, 6, 30, 6):  # every stage shape either call runs is captured
+        generate("plain", 3, graphs, max_new_tokens=warm_up)
 
     def reads(max_new_tokens: int) -> tuple[int, int]:
         with HostReads() as counted:
             out = generate("plain", 3, graphs, max_new_tokens=max_new_tokens)
+        assert out.stats.captures == 0
         return counted.count, len(out.stats.steps)
 
     short_reads, short_steps = reads(6)

@@ -179,7 +179,9 @@ def speculative_generate(
         slots: generate at most this many rows at once (continuous batching): the first
             ``slots`` rows start together, and each row left waits, in row order, for the
             first slot a finished row frees, instead of for the whole batch. The caches and
-            every pass are ``slots`` rows wide. ``None`` (default): every row at once.
+            every pass are ``slots`` rows wide (in graph mode, the bucket that holds them); the
+            selector still sees every row, the waiting ones inactive. ``None`` (default):
+            every row at once.
 
     Returns:
         :class:`SpeculativeOutput` with ``sequences`` and :class:`GenerationStats`.
@@ -532,6 +534,7 @@ class _Loop:
         except CacheFull as full:
             raise RuntimeError(self._slack_advice(full, input_ids.shape[1])) from None
         finally:
+            workspace.state.drop_prompts()  # a kept workspace keeps no caller's tensors
             for given, used in own:
                 given.set_state(used.get_state())  # the caller's generator advanced as drawn
             workspace.lock.release()
@@ -567,6 +570,9 @@ class _Loop:
         step = ChainStep(*args) if self.tree is None else TreeStep(*args, tree=self.tree)
         start = time.perf_counter()
         state.admit()  # the first rows' prompts
+        for handle in (self.target, self.draft):  # timed to its end: a one-off setup sync
+            if handle is not None and handle.device.type == "cuda":
+                torch.cuda.synchronize(handle.device)
         state.stats.prefill_seconds = time.perf_counter() - start
         self._steps(state, step, progress)
         stats = state.stats

@@ -133,6 +133,13 @@ class SlotCache(Cache):
         """Whether every layer has been written (the model really uses this cache)."""
         return all(layer.is_initialized for layer in self.slot_layers)
 
+    def allocate_like(self, other: SlotCache) -> None:
+        """Allocate the layers not written yet as ``other``'s written ones (heads, head size,
+        dtype, device): before a copy from ``other`` into a cache no pass has written."""
+        for mine, theirs in zip(self.slot_layers, other.slot_layers, strict=True):
+            if not mine.is_initialized and theirs.keys is not None and theirs.values is not None:
+                mine.lazy_initialization(theirs.keys, theirs.values)
+
 
 class ModelCache:
     """One model's static KV cache with per-row validity and positions (see the module doc).
@@ -272,12 +279,12 @@ class ModelCache:
         bool) into the rows ``slots`` (``n`` of them), replacing whatever they held; the other
         rows are untouched. Eager, between steps, and without a host read.
 
-        Into an empty cache (a generation's first admission, ``slots`` its first ``n`` rows)
-        the pass writes straight into the cache. Later, the other rows' columns are in use, so
-        the pass runs on a cache of its own, ``n`` rows and ``W`` columns, and its keys and
-        values are copied into the last ``W`` written columns of ``slots`` (holes for the
-        other rows; ``pos`` first moves to ``W`` if fewer are written): the positions a key
-        was computed at travel with it, so where it lands does not matter.
+        Into a cache with nothing written (``pos`` 0: a generation's first admission) and
+        ``slots`` its first ``n`` rows, the pass writes straight into the cache. Otherwise the
+        pass runs on a cache of its own, ``n`` rows and ``W`` columns, and its keys and values
+        are copied into the last ``W`` written columns of ``slots`` (holes for the other rows;
+        ``pos`` first moves to ``W`` if fewer are written): the positions a key was computed at
+        travel with it, so where it lands does not matter.
         """
         width, rows = context.shape[1], len(slots)
         first = self.used == 0 and slots == list(range(rows))
@@ -301,6 +308,7 @@ class ModelCache:
             self.mark.fill_(width)
             self._account(width)
         start = self.used - width
+        self.kv.allocate_like(scratch.kv)  # (a draft cache no step has written yet)
         for mine, theirs in zip(self.kv.buffers(), scratch.kv.buffers(), strict=True):
             mine[index.to(mine.device), :, start : self.used] = theirs
         self.valid[index] = False

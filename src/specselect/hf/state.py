@@ -286,6 +286,7 @@ class GenerationState:
         self.per_row: dict[str, list[int]] = {}  # per caller row: verified, accepted, ...
         self.limit = 0  # the most rows active at once
         self.prompts: tuple[Tensor, Tensor] = (self.rows[:0], self.active[:0])  # ids, bool mask
+        # (until every row is admitted: see drop_prompts)
         self.lengths: list[int] = []  # per caller row: context (prompt but its last) tokens
         self.spans: list[int] = []  # per caller row: columns from its first context token on
         self.admitted = 0  # rows that have had a slot (rows are admitted in order)
@@ -338,8 +339,8 @@ class GenerationState:
         slots, rows = free[:take], list(range(self.admitted, self.admitted + take))
         self.admitted += take
         ids, mask = self.prompts
-        if self.admitted == self.batch:  # a kept workspace keeps no caller's prompts
-            self.prompts = (self.rows[:0], self.active[:0])
+        if self.admitted == self.batch:
+            self.drop_prompts()
         index = host_index(rows, self.device)  # [n]
         ids, mask = ids.index_select(0, index), mask.index_select(0, index)  # [n, P]
         prompt = ids.shape[1]
@@ -359,6 +360,10 @@ class GenerationState:
         for slot, row in zip(slots, rows, strict=True):
             self.slot_rows[slot] = row
             self.counts[0][slot] = self.counts[1][slot] = self.lengths[row]
+
+    def drop_prompts(self) -> None:
+        """Let go of the caller's prompts (every row admitted, or the call over)."""
+        self.prompts = (self.rows[:0], self.active[:0])
 
     def _start_window(self, slots: Tensor, ids: Tensor, mask: Tensor) -> None:
         """The recent tokens of the slots ``slots`` (``[n]``) from their left-padded prompts
