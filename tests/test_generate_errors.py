@@ -51,6 +51,13 @@ class IgnoresCacheLM(NoCacheLM):
         return type("Out", (), {"logits": self.head(self.embed(input_ids))})()
 
 
+class IgnoresNewCacheLM(NoCacheLM):
+    """The same, taking its cache as ``cache`` (transformers 5.24's name)."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, **_):
+        return type("Out", (), {"logits": self.head(self.embed(input_ids))})()
+
+
 @pytest.fixture(scope="module")
 def models():
     return tiny_pair("llama", 0, noise=0.02)
@@ -217,6 +224,13 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
         lambda m: IgnoresCacheLM(m[0].config),
         RuntimeError,
         "does not append to past_key_values",
+    ),
+    (
+        "model ignoring its KV cache, 5.24 naming",
+        "draft",
+        lambda m: IgnoresNewCacheLM(m[0].config),
+        RuntimeError,
+        "does not append to cache$",
     ),
     (
         "flash attention target",

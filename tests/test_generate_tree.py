@@ -9,6 +9,7 @@ the chain tests' cases: ``test_generate_greedy.case`` (prompts, an EOS id the ta
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -408,32 +409,18 @@ def test_tree_sampling_follows_target_distribution(
     assert_follows_target(target, new, config)
 
 
-class _ConstantLM(LlamaForCausalLM):
-    """A causal LM whose next-token distribution is always ``fixed``, whatever the context:
-    the exact target distribution of every generated token is then ``fixed`` itself."""
+def constant_lm(probs: list[float], seed: int) -> LlamaForCausalLM:
+    """A causal LM whose next-token distribution is always ``probs``, whatever the context:
+    the exact target distribution of every generated token is then ``probs`` itself (a forward
+    hook replaces the logits, so ``forward`` keeps its signature)."""
+    model = tiny_model("llama", seed, vocab=len(probs), hidden=32).eval()
+    fixed = torch.tensor(probs).log()
 
-    fixed: torch.Tensor
-
-    def forward(
-        self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, **kw
-    ):
-        out = super().forward(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            **kw,
-        )
-        out.logits = torch.zeros_like(out.logits) + self.fixed
+    def constant_logits(module: object, args: object, out: Any) -> Any:
+        out.logits = torch.zeros_like(out.logits) + fixed
         return out
 
-
-def constant_lm(probs: list[float], seed: int) -> _ConstantLM:
-    base = tiny_model("llama", seed, vocab=len(probs), hidden=32)
-    model = _ConstantLM(base.config)
-    model.load_state_dict(base.state_dict())
-    model.eval()
-    model.fixed = torch.tensor(probs).log()
+    model.register_forward_hook(constant_logits)
     return model
 
 

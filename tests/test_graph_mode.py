@@ -925,7 +925,14 @@ def test_cuda_one_host_read_per_step(cuda_graphs: bool, config: str) -> None:
 def fake_handle(device: str) -> ModelHandle:
     """A model handle on a faked ``device``: graph_mode's checks need no GPU."""
     return ModelHandle(
-        torch.nn.Linear(2, 2), torch.device(device), 8, "sdpa", torch.float32, True, 1
+        model=torch.nn.Linear(2, 2),
+        device=torch.device(device),
+        vocab=8,
+        mask_kind="sdpa",
+        dtype=torch.float32,
+        keeps_logits=True,
+        cache_arg="cache",
+        num_layers=1,
     )
 
 

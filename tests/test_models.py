@@ -18,6 +18,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 import specselect.models as models
+from specselect.hf.compat import cache_argument
 from specselect.models import (
     PAIR_PARTS,
     TINY_PAIR_DIR,
@@ -233,8 +234,9 @@ def _greedy_tokens(model: torch.nn.Module, ids: Tensor, mask: Tensor, n: int) ->
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # [P, 1]
         tokens.append(nxt)
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+        cache = cache_argument(model)  # transformers 5.24 renamed past_key_values
         out = model(
-            input_ids=nxt, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True
+            input_ids=nxt, attention_mask=mask, use_cache=True, **{cache: getattr(out, cache)}
         )
     return torch.cat(tokens, dim=1)
 

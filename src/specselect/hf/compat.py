@@ -3,9 +3,9 @@
 The loop keeps each model's KV cache across steps with *holes* (columns of rejected or padding
 tokens masked out of attention) and passes explicit position ids. That only works if
 
-* the model is a decoder-only causal LM whose ``forward`` takes ``past_key_values``,
-  ``attention_mask`` and ``position_ids`` (otherwise it cannot be driven token block by token
-  block);
+* the model is a decoder-only causal LM whose ``forward`` takes its KV cache (``cache``, or
+  ``past_key_values`` before transformers 5.24), ``attention_mask`` and ``position_ids``
+  (otherwise it cannot be driven token block by token block);
 * its attention kernel takes arbitrary masks: ``sdpa`` and ``eager`` do; FlashAttention kernels
   only know left/right padding and causal masks, so holes (and, for trees, 4D masks) are
   impossible there;
@@ -32,7 +32,10 @@ from torch import nn
 
 #: Attention implementations that take a custom (2D with holes, or 4D) attention mask.
 MASKABLE_ATTENTION = ("sdpa", "eager")
-_REQUIRED_FORWARD_ARGS = ("past_key_values", "attention_mask", "position_ids")
+_REQUIRED_FORWARD_ARGS = ("attention_mask", "position_ids")
+#: The forward argument that takes the KV cache: ``cache`` from transformers 5.24 on (where
+#: ``past_key_values`` still works, with a deprecation warning), ``past_key_values`` before.
+CACHE_ARGS = ("cache", "past_key_values")
 _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 
@@ -54,6 +57,8 @@ def check_causal_lm(name: str, model: object) -> nn.Module:
         raise ValueError(f"{name} is an encoder-decoder model; only decoder-only causal LMs work")
     params = inspect.signature(model.forward).parameters
     missing = [arg for arg in _REQUIRED_FORWARD_ARGS if arg not in params]
+    if not any(arg in params for arg in CACHE_ARGS):
+        missing.insert(0, " or ".join(CACHE_ARGS))
     if missing:
         raise ValueError(
             f"{name} ({type(model).__name__}) does not support a KV cache driven from outside: "
@@ -239,6 +244,7 @@ class ModelHandle:
     mask_kind: str  # attention implementation ("sdpa" or "eager")
     dtype: torch.dtype  # activation dtype (for additive masks)
     keeps_logits: bool  # forward() takes logits_to_keep
+    cache_arg: str  # the forward() argument that takes the KV cache (see CACHE_ARGS)
     num_layers: int  # attention layers (one KV cache layer each)
     # Positions a learned table embeds (None: no table); see position_limit.
     position_limit: int | None = None
@@ -255,6 +261,7 @@ class ModelHandle:
             mask_kind=attention_implementation(module),
             dtype=weight.dtype if weight is not None else torch.float32,
             keeps_logits=supports_logits_to_keep(module),
+            cache_arg=cache_argument(module),
             num_layers=num_layers(module),
             position_limit=position_limit(module),
         )
@@ -267,6 +274,13 @@ class ModelHandle:
     def facts(self) -> tuple[object, ...]:
         """Everything but the model itself: what buffers allocated for the model depend on."""
         return tuple(getattr(self, f.name) for f in fields(self) if f.name != "model")
+
+
+def cache_argument(model: nn.Module) -> str:
+    """The name under which ``model.forward`` takes its KV cache (the first of
+    :data:`CACHE_ARGS` it declares; :func:`check_causal_lm` checked that one is)."""
+    params = inspect.signature(model.forward).parameters
+    return next(arg for arg in CACHE_ARGS if arg in params)
 
 
 def num_layers(model: nn.Module) -> int:

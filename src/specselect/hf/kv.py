@@ -31,8 +31,9 @@ mid-generation in a freed slot (continuous batching) is prefilled on a cache of 
 keys and values are copied into the slot's last written columns (:meth:`ModelCache.admit`).
 
 What this relies on in transformers: a model's attention layers call
-``past_key_values.update(key_states, value_states, layer_idx)`` with ``[B, heads, W, head_dim]``
-states and attend over what it returns; a 4D ``attention_mask`` is used as given (``sdpa`` takes
+``cache.update(key_states, value_states, layer_idx)`` (the cache is ``forward``'s ``cache``
+argument, ``past_key_values`` before 5.24) with ``[B, heads, W, head_dim]`` states and attend
+over what it returns; a 4D ``attention_mask`` is used as given (``sdpa`` takes
 it as a bool mask, ``eager`` as an additive one); ``position_ids`` are used as given. Both were
 checked on Llama, Qwen2, Mistral, GPT-2 and OPT (greedy output equal to ``generate``'s, in the
 tests).
@@ -207,7 +208,7 @@ class ModelCache:
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=self.kv,
+            **{self.handle.cache_arg: self.kv},
             use_cache=True,
             **extra,
         )
@@ -318,14 +319,14 @@ class ModelCache:
     def check_written(self) -> None:
         """Raise unless the model wrote every layer's keys and values into this cache.
 
-        Called once passes have run: a model that ignores ``past_key_values`` (or keeps its
-        own cache) would otherwise decode from an empty context without an error.
+        Called once passes have run: a model that ignores the cache it is given (or keeps its
+        own) would otherwise decode from an empty context without an error.
         """
         if self.used and not self.kv.written():
             name = self.handle.model.__class__.__name__  # not type(): the handle holds a proxy
             raise RuntimeError(
                 f"{name} ran but did not write its keys and values "
-                "to the cache it was given: it does not append to past_key_values"
+                f"to the cache it was given: it does not append to {self.handle.cache_arg}"
             )
 
     def room(self) -> int:

@@ -303,6 +303,12 @@ def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
+def _cache_argument(model: torch.nn.Module) -> str:
+    """``cache`` (transformers 5.24 on: ``forward``'s argument and the output's field) or
+    ``past_key_values`` (before)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.inference_mode()
 def greedy_continue(
     model: torch.nn.Module, contexts: Sequence[Tensor], steps: int
@@ -315,7 +321,8 @@ def greedy_continue(
     position ids (``cumsum(mask) - 1``) that ``generate`` and the decoding loop use.
 
     Args:
-        model: a causal LM returning ``.logits`` and ``.past_key_values``.
+        model: a causal LM returning ``.logits`` and its KV cache (``.cache``, or
+            ``.past_key_values`` before transformers 5.24).
         contexts: ``b`` non-empty 1-D int64 token tensors.
         steps: tokens to generate per context.
 
@@ -326,6 +333,7 @@ def greedy_continue(
     ids, mask = left_pad(contexts, device)
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     extra = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
+    cache_arg = _cache_argument(model)
     tokens, logprobs = [], []
     cache = None
     step_ids, step_pos = ids, positions
@@ -334,11 +342,11 @@ def greedy_continue(
             input_ids=step_ids,
             attention_mask=mask,
             position_ids=step_pos,
-            past_key_values=cache,
             use_cache=True,
+            **{cache_arg: cache},
             **extra,
         )
-        cache = out.past_key_values
+        cache = getattr(out, cache_arg)
         logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)  # [b, V]
         token = logp.argmax(dim=-1)  # [b]
         tokens.append(token)
