@@ -277,10 +277,11 @@ class ModelHandle:
 
 
 def cache_argument(model: nn.Module) -> str:
-    """The name under which ``model.forward`` takes its KV cache (the first of
-    :data:`CACHE_ARGS` it declares; :func:`check_causal_lm` checked that one is)."""
+    """The name under which ``model.forward`` takes its KV cache, which is also its output's
+    field: the first of :data:`CACHE_ARGS` it declares (``past_key_values`` if neither, for a
+    ``forward(**kwargs)``; :func:`check_causal_lm` refuses those)."""
     params = inspect.signature(model.forward).parameters
-    return next(arg for arg in CACHE_ARGS if arg in params)
+    return next((arg for arg in CACHE_ARGS if arg in params), CACHE_ARGS[-1])
 
 
 def num_layers(model: nn.Module) -> int:

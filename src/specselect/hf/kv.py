@@ -288,22 +288,19 @@ class ModelCache:
         travel with it, so where it lands does not matter.
         """
         width, rows = context.shape[1], len(slots)
-        first = self.used == 0 and slots == list(range(rows))
         index = host_index(slots, self.valid.device)  # [n]
-        if first or width == 0:
-            self.valid[index] = False
-            self.count[index] = 0
+        self.valid[index] = False
+        self.count[index] = 0
         if width == 0:
             return
-        if first:
-            self.reserve(width)
-            self.forward(context, context_valid, last_only=True)
-            self.commit(context_valid)
+        first = self.used == 0 and slots == list(range(rows))
+        scratch = None if first else ModelCache(self.handle, rows, width, static_span=False)
+        into = self if scratch is None else scratch
+        into.reserve(width)
+        into.forward(context, context_valid, last_only=True)
+        into.commit(context_valid)
+        if scratch is None:
             return
-        scratch = ModelCache(self.handle, rows, width, static_span=False)
-        scratch.reserve(width)
-        scratch.forward(context, context_valid, last_only=True)
-        scratch.commit(context_valid)
         if self.used < width:  # the columns it needs are written for no other row: holes
             self.pos.fill_(width)
             self.mark.fill_(width)
@@ -312,7 +309,6 @@ class ModelCache:
         self.kv.allocate_like(scratch.kv)  # (a draft cache no step has written yet)
         for mine, theirs in zip(self.kv.buffers(), scratch.kv.buffers(), strict=True):
             mine[index.to(mine.device), :, start : self.used] = theirs
-        self.valid[index] = False
         self.valid[index, start : self.used] = context_valid.to(self.valid.device)
         self.count[index] = scratch.count.to(self.count.device)
 

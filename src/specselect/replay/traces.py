@@ -10,7 +10,6 @@ for why one recording per prompt replays any selector exactly); :func:`save_trac
 
 from __future__ import annotations
 
-import inspect
 import json
 import platform
 from collections.abc import Callable, Sequence
@@ -299,16 +298,6 @@ def left_pad(
     return ids.to(device), mask.to(device)
 
 
-def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
-def _cache_argument(model: torch.nn.Module) -> str:
-    """``cache`` (transformers 5.24 on: ``forward``'s argument and the output's field) or
-    ``past_key_values`` (before)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 @torch.inference_mode()
 def greedy_continue(
     model: torch.nn.Module, contexts: Sequence[Tensor], steps: int
@@ -332,8 +321,10 @@ def greedy_continue(
     device = _model_device(model)
     ids, mask = left_pad(contexts, device)
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    extra = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
-    cache_arg = _cache_argument(model)
+    from specselect.hf.compat import cache_argument, supports_logits_to_keep
+
+    extra = {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
+    cache_arg = cache_argument(model)
     tokens, logprobs = [], []
     cache = None
     step_ids, step_pos = ids, positions
