@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections.abc import Iterator
 
@@ -33,6 +34,16 @@ def case(arch: str, seed: int):
         ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=[]
     )
     eos = pick_eos(free[:, MAX_PROMPT:])
+    return target, draft, ids, mask, eos, greedy_reference(target, ids, mask, eos)
+
+
+def cuda_case(rows: int):
+    """``case("llama", 0)`` on the GPU, its prompts tiled to ``rows`` rows, with generate()'s
+    greedy output computed there (its EOS stops about half of the rows mid-run)."""
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    target, draft = (copy.deepcopy(m).cuda() for m in (target, draft))
+    tiles = -(-rows // ids.shape[0])
+    ids, mask = (t.repeat(tiles, 1)[:rows].cuda() for t in (ids, mask))
     return target, draft, ids, mask, eos, greedy_reference(target, ids, mask, eos)
 
 

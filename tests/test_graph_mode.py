@@ -15,7 +15,6 @@ an EOS id that stops about half of the rows mid-run, and ``generate()``'s greedy
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import traceback
 import warnings
@@ -29,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 import specselect.hf.generate as hf_generate
-from greedy_cases import MAX_NEW, NOISE, VOCAB, case, greedy_reference
+from greedy_cases import MAX_NEW, NOISE, VOCAB, case, cuda_case, greedy_reference
 from hf_models import EOS_ID, PAD_ID, left_padded_prompts, tiny_pair
 from specselect import FixedWindowSelector, TetrisSelector, make_selector, native
 from specselect.estimators import DraftProbability
@@ -839,16 +838,6 @@ def test_the_loop_makes_its_tensors_on_the_device(config: str, sample: bool, gra
 
 
 # ---------------------------------------------------------------------------------- on CUDA
-def cuda_case(rows: int):
-    """``case("llama", 0)`` on the GPU, its prompts tiled to ``rows`` rows, with generate()'s
-    greedy output computed there (its EOS stops about half of the rows mid-run)."""
-    target, draft, ids, mask, eos, _ = case("llama", 0)
-    target, draft = (copy.deepcopy(m).cuda() for m in (target, draft))
-    tiles = -(-rows // ids.shape[0])
-    ids, mask = (t.repeat(tiles, 1)[:rows].cuda() for t in (ids, mask))
-    return target, draft, ids, mask, eos, greedy_reference(target, ids, mask, eos)
-
-
 @needs_cuda
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])

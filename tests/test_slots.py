@@ -12,14 +12,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from greedy_cases import BATCH, MAX_NEW, NOISE, case
+from greedy_cases import BATCH, MAX_NEW, NOISE, case, cuda_case
 from hf_models import PAD_ID, tiny_pair
 from sampling_cases import MAX_NEW as SAMPLED_NEW
 from sampling_cases import assert_follows_target, interleaved_prompts, sampling_pair
 from specselect import FixedWindowSelector, make_selector
-from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, speculative_generate
+from specselect.hf import (
+    HostReads,
+    TreeSpec,
+    emulate_on_cpu,
+    release_workspace,
+    speculative_generate,
+)
 from specselect.hf.generate import HOST_READS_PER_STEP
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CONFIGS = {
     "fixed": ({"name": "fixed", "k": 3}, None),
     "tetris": ({"name": "tetris", "k": 3, "extra": 2}, None),
@@ -30,24 +37,29 @@ CONFIGS = {
 
 def generate(config: str, slots: int | None, graphs: bool, arch: str = "llama", **kwargs):
     """One greedy call on the shared greedy case (8 rows, EOS ends about half of them early)."""
-    spec, tree = CONFIGS[config]
     target, draft, ids, mask, eos, _ = case(arch, 0)
-    selector = None if spec is None else make_selector(**spec)
     with emulate_on_cpu():
-        return speculative_generate(
-            target,
-            draft,
-            ids,
-            mask,
-            selector=selector,
-            tree=tree,
-            max_new_tokens=kwargs.pop("max_new_tokens", MAX_NEW),
-            eos_token_id=eos,
-            pad_token_id=PAD_ID,
-            cuda_graphs=graphs,
-            slots=slots,
-            **kwargs,
-        )
+        return run((target, draft, ids, mask, eos), config, slots, graphs, **kwargs)
+
+
+def run(inputs: tuple, config: str, slots: int | None, graphs: bool, **kwargs):
+    """speculative_generate of ``(target, draft, ids, mask, eos)`` with one of CONFIGS."""
+    spec, tree = CONFIGS[config]
+    target, draft, ids, mask, eos = inputs
+    return speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        selector=None if spec is None else make_selector(**spec),
+        tree=tree,
+        max_new_tokens=kwargs.pop("max_new_tokens", MAX_NEW),
+        eos_token_id=eos,
+        pad_token_id=PAD_ID,
+        cuda_graphs=graphs,
+        slots=slots,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "trace"])
@@ -67,6 +79,20 @@ def test_rows_admitted_mid_run_equal_generate(
     assert max(step.active for step in steps) == slots
     assert sum(step.active for step in steps) == int(out.stats.row_steps.sum())
     assert len(steps) > len(generate(config, None, graphs, arch).stats.steps)
+
+
+@needs_cuda
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_cuda_rows_admitted_mid_run_equal_generate(config: str, graphs: bool) -> None:
+    """fp32 on a GPU: a row's prefill on a cache of its own and its copy into a freed slot,
+    between eager steps or replayed stages, give generate()'s output."""
+    target, draft, ids, mask, eos, reference = cuda_case(BATCH)
+    out = run((target, draft, ids, mask, eos), config, 3, graphs)
+    release_workspace(target)
+    assert out.stats.mode == ("cuda" if graphs else "eager")
+    assert torch.equal(out.sequences, reference)
+    assert max(step.active for step in out.stats.steps) == 3
 
 
 class LateDrafter(FixedWindowSelector):

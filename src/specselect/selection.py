@@ -338,12 +338,20 @@ class Selector(abc.ABC):
             )
         if accepted_nodes is not None:
             _check_accepted_nodes(accepted_nodes, selection, num_accepted, last)
-        if self.estimator is not None and last is not None:
-            tested, passed = self.outcomes(selection, num_accepted, accepted_nodes)
+        outcomes = None  # ([B, K] tested, [B, K] passed), computed once for all who learn
+        if last is not None and self._learns_outcomes:
+            outcomes = self.outcomes(selection, num_accepted, accepted_nodes)
+        if self.estimator is not None and last is not None and outcomes is not None:
             given = () if last.features is None else (last.features,)
-            self.estimator.learn(last.logprobs, tested, passed, last.positions, *given)
-        self._update(selection, num_accepted, accepted_nodes)
+            self.estimator.learn(last.logprobs, *outcomes, last.positions, *given)
+        self._update(selection, num_accepted, outcomes)
         self._answered = last is not None
+
+    @property
+    def _learns_outcomes(self) -> bool:
+        """Whether :meth:`update` needs the step's tested and passed masks (the estimator's,
+        and whatever :meth:`_update` learns from them): they are computed once, for all."""
+        return self.estimator is not None
 
     def _matching_last(self, selection: Selection) -> _LastSelect | None:
         """The last select's record, or a clear error if ``selection`` cannot be its answer."""
@@ -392,9 +400,14 @@ class Selector(abc.ABC):
         return torch.where(selection.mask, depth, 0).amax(dim=1)
 
     def _update(  # noqa: B027
-        self, selection: Selection, num_accepted: Tensor, accepted_nodes: Tensor | None
+        self,
+        selection: Selection,
+        num_accepted: Tensor,
+        outcomes: tuple[Tensor, Tensor] | None,
     ) -> None:
-        """Adaptive selectors override this (arguments checked); the default keeps no state."""
+        """Adaptive selectors override this (arguments checked; ``outcomes``, the step's
+        ``[B, K]`` tested and passed masks, when :attr:`_learns_outcomes` and there was a
+        select); the default keeps no state."""
 
     def observe(
         self,
