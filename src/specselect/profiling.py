@@ -41,7 +41,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,10 +77,7 @@ def measure_samples(
 ) -> tuple[list[CostSample], CostSource]:
     """The timings behind :meth:`CostModel.measure <specselect.cost.CostModel.measure>` (which
     documents the arguments), and what they were measured on."""
-    from specselect.hf.compat import ModelHandle, check_context_fits
     from specselect.hf.generate import graph_mode
-    from specselect.hf.memory import check_memory
-    from specselect.replay.traces import describe_model, package_versions
 
     batches, width_grid, context_grid = check_grid(batch_sizes, widths, contexts)
     repeats = check_int("repeats", repeats, minimum=1)
@@ -90,19 +87,7 @@ def measure_samples(
     if not isinstance(note, str):
         raise TypeError(f"note must be a str, got {type(note).__name__}")
     models = {"target": target} if draft is None else {"target": target, "draft": draft}
-    for name, model in models.items():
-        ModelHandle.of(name, model)  # the checks, before anything moves
-        _move(model, device, dtype)
-    handles = {name: ModelHandle.of(name, model) for name, model in models.items()}
-    longest = max(context_grid) + max(width_grid)
-    for name, handle in handles.items():
-        check_context_fits(name, handle, longest)
-    check_memory(
-        _memory_needs(handles, batches, width_grid, max(context_grid)),
-        f"profiling at context {max(context_grid)} with batch sizes {batches} (the caches of "
-        "every batch size are allocated together)",
-        "the largest context or batch size",
-    )
+    handles = _prepared(models, device, dtype, batches, width_grid, context_grid)
     mode = graph_mode(cuda_graphs, handles["target"], handles.get("draft"), ())
     vocab = min(h.vocab for h in handles.values())
     load_before = _load_average()
@@ -131,33 +116,77 @@ def measure_samples(
             measurements, free = 2, _fits_free_verification(samples)
     if free:
         raise ValueError(_free_verification_message(samples, measurements, load_before))
-    source = CostSource(
-        hardware=_hardware(handles["target"].device),
-        dtype=str(handles["target"].dtype).replace("torch.", ""),
+    grid = {
+        "batch_sizes": batches,
+        "widths": width_grid,
+        "contexts": context_grid,
+        "repeats": repeats,
+        "warmup": warmup,
+        "statistic": statistic,
+    }
+    return samples, _source(models, handles["target"], mode, grid, note, measurements, load_before)
+
+
+def _prepared(
+    models: dict[str, torch.nn.Module],
+    device: str | torch.device | None,
+    dtype: torch.dtype | None,
+    batches: list[int],
+    widths: list[int],
+    contexts: list[int],
+) -> dict[str, ModelHandle]:
+    """Each model checked, then moved to ``device`` and ``dtype``, as a handle; refused before
+    any pass if the grid's longest context does not fit a model, or its caches the memory."""
+    from specselect.hf.compat import ModelHandle, check_context_fits
+    from specselect.hf.memory import check_memory
+
+    for name, model in models.items():
+        ModelHandle.of(name, model)  # the checks, before anything moves
+        _move(model, device, dtype)
+    handles = {name: ModelHandle.of(name, model) for name, model in models.items()}
+    for name, handle in handles.items():
+        check_context_fits(name, handle, max(contexts) + max(widths))
+    check_memory(
+        _memory_needs(handles, batches, widths, max(contexts)),
+        f"profiling at context {max(contexts)} with batch sizes {batches} (the caches of "
+        "every batch size are allocated together)",
+        "the largest context or batch size",
+    )
+    return handles
+
+
+def _source(
+    models: dict[str, torch.nn.Module],
+    target: ModelHandle,
+    mode: str,
+    grid: Mapping[str, Any],
+    note: str,
+    measurements: int,
+    load_before: list[float] | None,
+) -> CostSource:
+    """What the samples were measured on: hardware, dtype, mode, versions, models, the grid,
+    and the run's details (how many times the grid was measured, the load averages)."""
+    from specselect.replay.traces import describe_model, package_versions
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    details = {
+        "device": str(target.device),
+        "threads": torch.get_num_threads(),
+        "load_average_before": load_before,
+        "load_average_after": _load_average(),
+        "measurements": measurements,
+        "measured_at": now.isoformat(timespec="seconds"),
+    }
+    return CostSource(
+        hardware=_hardware(target.device),
+        dtype=str(target.dtype).replace("torch.", ""),
         mode=mode,
         versions=package_versions(),
         models={name: describe_model(model) for name, model in models.items()},
-        grid={
-            "batch_sizes": batches,
-            "widths": width_grid,
-            "contexts": context_grid,
-            "repeats": repeats,
-            "warmup": warmup,
-            "statistic": statistic,
-        },
-        details={
-            "device": str(handles["target"].device),
-            "threads": torch.get_num_threads(),
-            "load_average_before": load_before,
-            "load_average_after": _load_average(),
-            "measurements": measurements,
-            "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds"
-            ),
-        },
+        grid=grid,
+        details=details,
         note=note,
     )
-    return samples, source
 
 
 class _Pass:
