@@ -25,7 +25,7 @@ backlog. What the commit needs (which nodes were fed, in which cache column) tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
@@ -150,12 +150,7 @@ class TreeDrafter(ChainDrafter):
             after = torch.zeros(batch, nodes + 1, self.vocab, dtype=self.probs_dtype, device=device)
         fed_ids = torch.zeros(batch, 0, dtype=torch.int64, device=device)
         frontier = torch.full((batch, 1), -1, dtype=torch.int64, device=device)  # [B, F] parents
-        tokens: list[Tensor] = []  # per level: [B, size] int64
-        logprobs: list[Tensor] = []  # per level: [B, size]
-        parents: list[Tensor] = []  # per level: [B, size] int64
-        scores: list[Tensor] = []  # per level: [B, size]
-        expected: list[Tensor] = []  # per level: [B, size] log E_q[q] of each node's q (sampled)
-        offset = 0
+        levels = _Levels()
         for level, size in enumerate(sizes, start=1):
             token, logprob, probs = pick_children(
                 dist, spec.branch, self.params, self.sampled, self.generator
@@ -163,45 +158,52 @@ class TreeDrafter(ChainDrafter):
             if after is not None and probs is not None:
                 after = _scatter_rows(after, frontier + 1, probs)
             parent = frontier.unsqueeze(2).expand_as(token).reshape(batch, size)
-            tokens.append(token.reshape(batch, size))
-            logprobs.append(logprob.reshape(batch, size))
-            parents.append(parent)
-            scores.append(_child_scores(scores, parent, logprobs[-1]))
-            if self.sampled:
-                assert probs is not None
-                own = expected_self_logprob(probs).unsqueeze(2).expand_as(logprob)  # [B, F, br]
-                expected.append(own.reshape(batch, size))
-            strict = _inherit_ancestors(strict, parent, offset)
+            strict = _inherit_ancestors(strict, parent, levels.nodes)
+            levels.add(token, logprob, parent, probs if self.sampled else None)
             if level == spec.depth:
                 break
             # Sampled children are expanded by their causal scores, which do not depend on their
             # own tokens: expanding by log q would make a later sibling's verification depend on
             # its own token (through its rivals' children), which biases the output.
-            ranking = _causal_level(logprobs, expected, parents) if self.sampled else scores[-1]
-            chosen = ranking.topk(min(spec.width, size), dim=1).indices + offset  # [B, F']
-            fed = fed.scatter(1, chosen, True)
-            feed = torch.cat(tokens, dim=1).gather(1, chosen)
-            width = chosen.shape[1]
-            logits = self.cache.forward(
-                self._embeddable(feed),
-                active.unsqueeze(1).expand(batch, width),
-                depth=(base - 1 + level).expand_as(feed),
-                block_mask=torch.eye(width, dtype=torch.bool, device=device).expand(batch, -1, -1),
-                past_mask=_frontier_past(strict, chosen, fed_ids, self.width),
-            )
+            ranking = levels.causal_scores() if self.sampled else levels.scores[-1]
+            offset = levels.nodes - size
+            frontier = ranking.topk(min(spec.width, size), dim=1).indices + offset  # [B, F']
+            fed = fed.scatter(1, frontier, True)
+            at = base - 1 + level  # [B, 1] the frontier's depth argument
+            logits = self._feed_frontier(levels, frontier, strict, fed_ids, active, at)
             dist = align_vocab(logits, self.vocab)  # [B, F', V]
-            fed_ids = torch.cat([fed_ids, chosen], dim=1)
-            frontier = chosen
-            offset += size
+            fed_ids = torch.cat([fed_ids, frontier], dim=1)
         depth = _level_of_nodes(sizes, device).expand(batch, -1)  # [B, N]
         return DraftTree(
-            torch.cat(tokens, dim=1),
-            torch.cat(logprobs, dim=1),
-            torch.cat(parents, dim=1),
+            torch.cat(levels.tokens, dim=1),
+            torch.cat(levels.logprobs, dim=1),
+            torch.cat(levels.parents, dim=1),
             depth,
             after,
             fed,
             fed_ids,
+        )
+
+    def _feed_frontier(
+        self,
+        levels: _Levels,
+        frontier: Tensor,  # [B, F] int64: the nodes to expand
+        strict: Tensor,  # [B, N, N] bool strict ancestors
+        fed_ids: Tensor,  # [B, T] int64 nodes fed earlier this step
+        active: Tensor,  # [B] bool
+        depth: Tensor,  # [B, 1] int64: the frontier's depth argument of ModelCache.forward
+    ) -> Tensor:  # [B, F, V] logits
+        """One draft pass over the frontier nodes, each seeing the backlog and its own fed
+        ancestors only (a block-diagonal mask: siblings do not see each other)."""
+        batch, width = frontier.shape
+        feed = torch.cat(levels.tokens, dim=1).gather(1, frontier)  # [B, F]
+        eye = torch.eye(width, dtype=torch.bool, device=frontier.device)
+        return self.cache.forward(
+            self._embeddable(feed),
+            active.unsqueeze(1).expand(batch, width),
+            depth=depth.expand_as(feed),
+            block_mask=eye.expand(batch, -1, -1),
+            past_mask=_frontier_past(strict, frontier, fed_ids, self.width),
         )
 
     def advance_tree(
@@ -225,6 +227,48 @@ class TreeDrafter(ChainDrafter):
         self.backlog[:rows, 1] = next_token
         self.backlog_valid[:rows, 0] = unseen
         self.backlog_valid[:rows, 1].fill_(True)
+
+
+@dataclass
+class _Levels:
+    """The levels of one step's trees drafted so far, each ``[B, size]``."""
+
+    tokens: list[Tensor] = field(default_factory=list)  # int64
+    logprobs: list[Tensor] = field(default_factory=list)  # log q under the parent's q
+    parents: list[Tensor] = field(default_factory=list)  # int64 global node index, -1 = root
+    scores: list[Tensor] = field(default_factory=list)  # path scores (sum of log q)
+    expected: list[Tensor] = field(default_factory=list)  # sampled: log E_q[q] of each q
+
+    @property
+    def nodes(self) -> int:
+        """Nodes drafted so far (a new level's first global index)."""
+        return sum(level.shape[1] for level in self.tokens)
+
+    def add(
+        self,
+        token: Tensor,  # [B, F, branch] int64
+        logprob: Tensor,  # [B, F, branch]
+        parent: Tensor,  # [B, F * branch] int64
+        probs: Tensor | None,  # [B, F, V]: the q each was drawn from, when sampled
+    ) -> None:
+        """Append a level: ``branch`` children of each of ``F`` frontier nodes."""
+        shape = parent.shape
+        self.tokens.append(token.reshape(shape))
+        self.logprobs.append(logprob.reshape(shape))
+        self.parents.append(parent)
+        self.scores.append(_child_scores(self.scores, parent, self.logprobs[-1]))
+        if probs is not None:
+            own = expected_self_logprob(probs).unsqueeze(2).expand_as(logprob)  # [B, F, br]
+            self.expected.append(own.reshape(shape))
+
+    def causal_scores(self) -> Tensor:  # [B, size of the last level]
+        """Causal path scores (:func:`~specselect.scores.causal_logprobs`) of the newest
+        level (sampled levels only)."""
+        tree_parents = torch.cat(self.parents, dim=1)
+        increments = causal_logprobs(
+            torch.cat(self.logprobs, dim=1), torch.cat(self.expected, dim=1), tree_parents
+        )
+        return path_sums(increments, tree_parents)[:, -self.logprobs[-1].shape[1] :]
 
 
 def _level_of_nodes(sizes: tuple[int, ...], device: torch.device) -> Tensor:  # [N] int64
@@ -258,19 +302,6 @@ def _child_scores(
         return logprobs.float()
     known = torch.cat(previous, dim=1)
     return known.gather(1, parent.clamp(min=0)) + logprobs
-
-
-def _causal_level(
-    logprobs: list[Tensor],  # per level [B, size]: log q of each sampled node
-    expected: list[Tensor],  # per level [B, size]: log E_q[q] of the q it was drawn from
-    parents: list[Tensor],  # per level [B, size] int64
-) -> Tensor:  # [B, size of the last level]
-    """Causal path scores (:func:`~specselect.scores.causal_logprobs`) of the newest level."""
-    tree_parents = torch.cat(parents, dim=1)
-    increments = causal_logprobs(
-        torch.cat(logprobs, dim=1), torch.cat(expected, dim=1), tree_parents
-    )
-    return path_sums(increments, tree_parents)[:, -logprobs[-1].shape[1] :]
 
 
 def _inherit_ancestors(
