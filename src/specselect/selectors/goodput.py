@@ -72,6 +72,10 @@ GOODPUT = "goodput"
 """The ``budget`` of a TETRIS selector that chooses ``C`` (and its draft depth) for goodput."""
 
 INF = float("inf")
+# The planner's decayed row counts per depth j (rows of GoodputPlanner._counts): rows whose
+# depth j - 1 was accepted (REACHED) and depth j too (PASSED); rows whose depth j - 1 was
+# verified (OPENED) and depth j too (VERIFIED).
+_COUNTS = REACHED, PASSED, OPENED, VERIFIED = range(4)
 
 
 @runtime_checkable
@@ -292,10 +296,7 @@ class GoodputPlanner:
         """Forget the observed outcomes (a new generation)."""
         depths = self.max_depth
         # Decayed row counts per depth j = 1..max_depth, over the steps that drafted depth j:
-        self._reached = np.zeros(depths)  # rows whose depth j - 1 was accepted
-        self._passed = np.zeros(depths)  # ... and depth j too
-        self._opened = np.zeros(depths)  # rows whose depth j - 1 was verified
-        self._verified = np.zeros(depths)  # ... and depth j too
+        self._counts = np.zeros((len(_COUNTS), depths))  # [4, D], rows of _COUNTS
         # Decayed verified nodes and deepest depths: a tree verifies several nodes per depth.
         self._nodes = self._deepest = 0.0
         # The draft depth of the step being observed, as planned (a tree shallower than that
@@ -325,12 +326,9 @@ class GoodputPlanner:
         x = np.asarray(accepted, dtype=np.int64).reshape(-1)
         d = np.asarray(deepest, dtype=np.int64).reshape(-1)
         drafted = max(self._drafted, int(d.max(initial=0)))
-        for counts in (self._reached, self._passed, self._opened, self._verified):
-            counts *= self.decay
-        self._reached += _reaching(np.minimum(x + 1, drafted), self.max_depth)
-        self._passed += _reaching(x, self.max_depth)
-        self._opened += _reaching(np.minimum(d + 1, drafted), self.max_depth)
-        self._verified += _reaching(d, self.max_depth)
+        depths = np.stack([np.minimum(x + 1, drafted), x, np.minimum(d + 1, drafted), d])
+        self._counts *= self.decay
+        self._counts += _reaching(depths, self.max_depth)  # rows in the order of _COUNTS
         self._nodes = self.decay * self._nodes + float(v.sum())
         self._deepest = self.decay * self._deepest + float(d.sum())
         self._idle = 0 if v.any() else self._idle + 1
@@ -338,12 +336,12 @@ class GoodputPlanner:
     def acceptance(self) -> np.ndarray:
         """``[max_depth]`` float64: estimated P(depth ``j`` accepted | depth ``j - 1`` was),
         a depth that the budget left unverified counting as not accepted."""
-        return _chained(self._passed, self._reached, self.prior, self.strength)
+        return _chained(self._counts[PASSED], self._counts[REACHED], self.prior, self.strength)
 
     def verification(self) -> np.ndarray:
         """``[max_depth]`` float64: estimated P(depth ``j`` verified | depth ``j - 1`` was);
         before any evidence, 1 (the budget verifies what is drafted)."""
-        return _chained(self._verified, self._opened, 1.0, self.strength)
+        return _chained(self._counts[VERIFIED], self._counts[OPENED], 1.0, self.strength)
 
     def width(self) -> float:
         """Verified nodes per verified depth: 1 for chains, a tree's mean width."""
@@ -388,16 +386,22 @@ class GoodputPlanner:
         accept = self.acceptance() if acceptance is None else acceptance
         verify = self.verification() if verification is None else verification
         width = self.width() if width is None else width
-        expected = active * np.concatenate([[0.0], np.cumsum(np.cumprod(accept))])  # [D + 1]
-        tested = width * active * np.concatenate([[0.0], np.cumsum(np.cumprod(verify))])
-        tested += active  # [D + 1] the pass's tokens, bonus included
-        low = np.floor(tested).astype(np.int64)  # [D + 1]
-        verify_times = self.times.verify(active, int(low[-1]) + 1)
-        share = tested - low  # [D + 1] in [0, 1)
-        seconds = self.times.draft(active, self.max_depth) + (
-            (1 - share) * verify_times[low] + share * verify_times[low + 1]
-        )  # [D + 1]
-        return int(np.argmax((expected + active) / seconds))  # the first maximum: smallest K
+        # Python floats, not numpy: a handful of depths, between a step's read-back and the
+        # next launch, where numpy's per-call overhead would cost more than the arithmetic.
+        expected = [active * s for s in _running_sums(accept)]  # [D + 1]
+        tested = [width * active * s + active for s in _running_sums(verify)]  # bonus included
+        verify_times = self.times.verify(active, math.floor(tested[-1]) + 1).tolist()
+        draft_times = self.times.draft(active, self.max_depth).tolist()  # [D + 1]
+        best, best_goodput = 0, -INF
+        steps = zip(expected, tested, draft_times, strict=True)
+        for depth, (gain, tokens, draft) in enumerate(steps):
+            low = math.floor(tokens)
+            share = tokens - low  # in [0, 1)
+            seconds = draft + ((1 - share) * verify_times[low] + share * verify_times[low + 1])
+            goodput = (gain + active) / seconds
+            if goodput > best_goodput:  # the first maximum: the smallest K
+                best, best_goodput = depth, goodput
+        return best
 
     # ------------------------------------------------------------------ device: the budget
     def select(self, costs: Tensor, active: Tensor | None, passes: Tensor | int) -> Tensor:
@@ -460,10 +464,26 @@ def _chained(passed: np.ndarray, tried: np.ndarray, prior: float, strength: floa
     return rates
 
 
+def _running_sums(rates: np.ndarray) -> list[float]:
+    """``[D + 1]``: 0, then the running sums of the survivals ``prod_{i<=j} rates[i]``."""
+    sums, survival, total = [0.0], 1.0, 0.0
+    for rate in rates.tolist():
+        survival *= rate
+        total += survival
+        sums.append(total)
+    return sums
+
+
 def _reaching(depths: np.ndarray, max_depth: int) -> np.ndarray:
-    """``[max_depth]``: how many of ``depths`` (per row) are ``>= j``, for ``j = 1..max_depth``."""
-    counts = np.bincount(np.clip(depths, 0, max_depth), minlength=max_depth + 1)
-    return counts[::-1].cumsum()[::-1][1:].astype(np.float64)
+    """``[S, max_depth]``: per series of ``depths`` (``[S, rows]`` int64, each ``>= 0``), how
+    many are ``>= j``, for ``j = 1..max_depth``. One ``bincount`` for every series (each gets
+    its own ``max_depth + 1`` bins): the planner runs between a step's read-back and the next
+    step's launch, where a GPU waits for it."""
+    series, bins = depths.shape[0], max_depth + 1
+    offsets = np.arange(0, series * bins, bins).reshape(-1, 1)  # [S, 1]
+    binned = np.minimum(depths, max_depth) + offsets  # [S, rows]
+    counts = np.bincount(binned.reshape(-1), minlength=series * bins).reshape(series, bins)
+    return counts[:, ::-1].cumsum(axis=1)[:, ::-1][:, 1:].astype(np.float64)
 
 
 def _upload(values: np.ndarray, device: torch.device) -> Tensor:
