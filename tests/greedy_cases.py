@@ -77,8 +77,9 @@ def row_endings(stats, eos: int, sequences: torch.Tensor, prompt: int) -> list[s
     """How each row ended: inside an accepted run at EOS or at max_new_tokens, or otherwise."""
     endings = []
     for row in range(sequences.shape[0]):
-        last = int(stats.row_steps[row]) - 1
-        start = sum(int(stats.accepted_per_step[t][row]) + 1 for t in range(last))
+        first = int(stats.first_step[row])
+        last = first + int(stats.row_steps[row]) - 1
+        start = sum(int(stats.accepted_per_step[t][row]) + 1 for t in range(first, last))
         accepted = int(stats.accepted_per_step[last][row])
         new = sequences[row, prompt:].tolist()
         eos_at = new.index(eos) if eos in new else None

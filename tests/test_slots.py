@@ -25,6 +25,7 @@ from specselect.hf import (
     speculative_generate,
 )
 from specselect.hf.generate import HOST_READS_PER_STEP
+from specselect.hf.state import PerStep
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CONFIGS = {
@@ -75,10 +76,16 @@ def test_rows_admitted_mid_run_equal_generate(
     out = generate(config, slots, graphs, arch)
     _, _, _, _, _, reference = case(arch, 0)
     assert torch.equal(out.sequences, reference)
-    steps = out.stats.steps
-    assert max(step.active for step in steps) == slots
-    assert sum(step.active for step in steps) == int(out.stats.row_steps.sum())
-    assert len(steps) > len(generate(config, None, graphs, arch).stats.steps)
+    stats = out.stats
+    assert max(step.active for step in stats.steps) == slots
+    assert len(stats.steps) > len(generate(config, None, graphs, arch).stats.steps)
+    # Each row is active in the steps first_step .. first_step + row_steps - 1, and only then.
+    first, last = stats.first_step, stats.first_step + stats.row_steps  # [B] each
+    assert first[:slots].eq(0).all() and first[slots:].gt(0).all()
+    for t, (step, verified) in enumerate(zip(stats.steps, stats.verified_per_step, strict=True)):
+        active = (first <= t) & (t < last)  # [B]
+        assert step.active == int(active.sum())
+        assert verified[~active].eq(0).all() and int(verified.sum()) == step.verified
 
 
 @needs_cuda
@@ -199,3 +206,15 @@ def test_more_slots_than_rows_is_every_row_at_once() -> None:
     more, every = generate("fixed", BATCH + 5, False), generate("fixed", None, False)
     assert torch.equal(more.sequences, every.sequences)
     assert [s.active for s in more.stats.steps] == [s.active for s in every.stats.steps]
+
+
+def test_per_step_counts_are_dense_when_read() -> None:
+    """Per-step counts keep the active rows' entries only (a long queue through a few slots runs
+    many steps) and read as dense [B] tensors, 0 for the rows not listed."""
+    per_step = PerStep(4)
+    per_step.append([2, 0], [5, 1])
+    per_step.append([], [])
+    assert len(per_step) == 2
+    assert per_step[0].tolist() == [1, 0, 5, 0] and per_step[-1].tolist() == [0, 0, 0, 0]
+    assert [counts.tolist() for counts in per_step[:1]] == [[1, 0, 5, 0]]
+    assert [counts.tolist() for counts in per_step] == [[1, 0, 5, 0], [0, 0, 0, 0]]

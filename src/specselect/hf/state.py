@@ -25,7 +25,9 @@ every list is a host mirror that the host keeps exact from the step's one read-b
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import overload
 
 import torch
 from torch import Tensor
@@ -43,6 +45,47 @@ from specselect.metrics import StepCounts, Totals
 #: the draft's cache counts, and the deepest verified depth (a chain's verified count).
 FINISHED, VERIFIED, ACCEPTED, WRITTEN, TARGET_COUNT, DRAFT_COUNT, DEEPEST = range(7)
 REPORT_ROWS = DEEPEST + 1
+#: What the host keeps per caller row (GenerationState.per_row).
+PER_ROW = ("verified", "accepted", "emitted", "steps", "first_step")
+
+
+class PerStep(Sequence[Tensor]):
+    """Per step, a ``[B]`` int64 count for every caller row, 0 where the row was not active
+    (waiting for a slot, or finished): ``stats.accepted_per_step[t][row]``.
+
+    Kept as the active rows' entries only, and a step's dense tensor is built when it is read:
+    a long queue through a few slots (``slots=``) runs many steps, and a dense ``[B]`` tensor
+    per step would take memory in proportion to steps times rows.
+    """
+
+    def __init__(self, batch: int = 0) -> None:
+        self.batch = batch
+        self._steps: list[tuple[list[int], list[int]]] = []  # per step: (rows, counts)
+
+    def append(self, rows: list[int], counts: list[int]) -> None:
+        """Add a step: ``counts[i]`` for caller row ``rows[i]``, 0 for the rows not listed."""
+        self._steps.append((rows, counts))
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    @overload
+    def __getitem__(self, index: int) -> Tensor: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Tensor]: ...
+    def __getitem__(self, index: int | slice) -> Tensor | list[Tensor]:
+        if isinstance(index, slice):
+            return [self._dense(step) for step in self._steps[index]]
+        return self._dense(self._steps[index])
+
+    def _dense(self, step: tuple[list[int], list[int]]) -> Tensor:  # [B] int64
+        rows, counts = step
+        dense = torch.zeros(self.batch, dtype=torch.int64)
+        dense[rows] = torch.tensor(counts, dtype=torch.int64)
+        return dense
+
+    def __repr__(self) -> str:
+        return f"PerStep({len(self)} steps of [{self.batch}])"
 
 
 @dataclass
@@ -50,8 +93,10 @@ class GenerationStats:
     """What happened during one ``speculative_generate`` call (metrics of docs/concepts.md).
 
     Per row: ``verified``/``accepted``/``emitted`` totals, ``generated`` new tokens in
-    ``sequences``, ``row_steps`` steps the row was active (consecutive ones: the first
-    ``row_steps[i]`` steps unless the row waited for a slot). ``emitted`` counts accepted + 1
+    ``sequences``, ``row_steps`` steps the row was active, consecutive ones from step
+    ``first_step`` (0 unless the row waited for a slot). Per step and row,
+    ``verified_per_step`` and ``accepted_per_step`` (:class:`PerStep`: 0 for the rows not
+    active in the step). ``emitted`` counts accepted + 1
     per active row and step. When an accepted draft token is EOS the target's extra token
     after it is dropped from ``sequences``, so a row's emitted count can exceed its real new
     tokens (``generated``) by one.
@@ -76,8 +121,9 @@ class GenerationStats:
     emitted: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [B]
     generated: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [B]
     row_steps: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [B]
-    verified_per_step: list[Tensor] = field(default_factory=list)  # each [B], 0 if inactive
-    accepted_per_step: list[Tensor] = field(default_factory=list)  # each [B], 0 if inactive
+    first_step: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [B]
+    verified_per_step: PerStep = field(default_factory=PerStep)  # each [B], 0 if inactive
+    accepted_per_step: PerStep = field(default_factory=PerStep)  # each [B], 0 if inactive
     cache_widths: list[tuple[int, int]] = field(default_factory=list)  # (target, draft) per step
     draft_depths: list[int] = field(default_factory=list)  # per step; 0: a plain decoding step
     draft_seconds: float = 0.0
@@ -290,6 +336,7 @@ class GenerationState:
         self.lengths: list[int] = []  # per caller row: context (prompt but its last) tokens
         self.spans: list[int] = []  # per caller row: columns from its first context token on
         self.admitted = 0  # rows that have had a slot (rows are admitted in order)
+        self.retired = 0  # steps read back (see retire)
 
     def start(
         self, options: GenerationOptions, input_ids: Tensor, attention_mask: Tensor, limit: int
@@ -299,7 +346,9 @@ class GenerationState:
         batch = input_ids.shape[0]
         self.options, self.batch = options, batch
         self.limit = min(batch, limit)
-        self.stats = GenerationStats()
+        self.stats = GenerationStats(
+            verified_per_step=PerStep(batch), accepted_per_step=PerStep(batch)
+        )
         self.out.fill_(options.pad_token_id)
         self.max_new.fill_(options.max_new_tokens)
         self.eos.copy_(torch.tensor(options.eos_token_ids, dtype=torch.int64))
@@ -318,7 +367,8 @@ class GenerationState:
         self.slot_rows = [-1] * size
         self.generated_host = [0] * batch
         self.counts = ([0] * size, [0] * size)
-        self.per_row = {name: [0] * batch for name in ("verified", "accepted", "emitted", "steps")}
+        self.per_row = {name: [0] * batch for name in PER_ROW}
+        self.retired = 0  # steps retired so far: the step a row admitted now starts at
         self.target.reset()
         if self.drafter is not None:
             self.drafter.reset()
@@ -338,6 +388,8 @@ class GenerationState:
             return
         slots, rows = free[:take], list(range(self.admitted, self.admitted + take))
         self.admitted += take
+        for row in rows:
+            self.per_row["first_step"][row] = self.retired
         ids, mask = self.prompts
         if self.admitted == self.batch:
             self.drop_prompts()
@@ -515,6 +567,7 @@ class GenerationState:
         This is all the host must do between the read-back and the next step's first launch,
         while the device waits; the statistics can wait until that launch has been made."""
         served = list(self.slot_rows)
+        self.retired += 1
         written, finished = report[WRITTEN], report[FINISHED]
         self.counts = (report[TARGET_COUNT], report[DRAFT_COUNT])
         for slot, row in enumerate(served):
@@ -531,14 +584,15 @@ class GenerationState:
         report = step.report
         finished, verified, accepted = report[FINISHED], report[VERIFIED], report[ACCEPTED]
         written = report[WRITTEN]
-        verified_row, accepted_row = [0] * self.batch, [0] * self.batch
-        advance = active = 0
+        rows, verified_row, accepted_row = [], [], []  # per active row, in slot order
+        advance = 0
         per_row = self.per_row
         for slot, row in enumerate(step.slot_rows):
             if row < 0:
                 continue
-            active += 1
-            verified_row[row], accepted_row[row] = verified[slot], accepted[slot]
+            rows.append(row)
+            verified_row.append(verified[slot])
+            accepted_row.append(accepted[slot])
             per_row["verified"][row] += verified[slot]
             per_row["accepted"][row] += accepted[slot]
             per_row["emitted"][row] += accepted[slot] + 1
@@ -546,9 +600,9 @@ class GenerationState:
             advance += written[slot]
             if finished[slot]:  # its count is final: retire() saw its last tokens
                 advance += self.options.max_new_tokens - self.generated_host[row]
-        self.stats.verified_per_step.append(torch.tensor(verified_row))
-        self.stats.accepted_per_step.append(torch.tensor(accepted_row))
-        accepted_sum = sum(accepted_row)
+        self.stats.verified_per_step.append(rows, verified_row)
+        self.stats.accepted_per_step.append(rows, accepted_row)
+        active, accepted_sum = len(rows), sum(accepted_row)
         self.stats.steps.append(
             StepCounts(
                 active=active,
@@ -619,6 +673,7 @@ class GenerationState:
         )
         stats.generated = torch.tensor(self.generated_host)
         stats.row_steps = torch.tensor(self.per_row["steps"])
+        stats.first_step = torch.tensor(self.per_row["first_step"])
         return torch.cat([input_ids, self.out[: self.batch, :new]], dim=1)
 
 
@@ -629,6 +684,7 @@ __all__ = [
     "GenerationState",
     "GenerationStats",
     "Layout",
+    "PerStep",
     "PhaseClock",
     "StepReport",
 ]
