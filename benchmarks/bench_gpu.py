@@ -836,7 +836,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--part", choices=["a", "b", "s", "all"], default="all")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument(
+        "--batch-sizes",
+        default=argparse.SUPPRESS,
+        help="parts a and b (default: 1,8,32,64; with --smoke: 1,2)",
+    )
     parser.add_argument("--k", type=int, default=3, help="base window of the selectors")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per row")
     parser.add_argument(
@@ -852,7 +856,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "speculative_generate(slots=B)); HF generate runs them in N static batches of B. "
         "0: one static batch of B",
     )
-    parser.add_argument("--repeats", type=int, default=2, help="timed calls (median) per cell")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="timed calls (median) per cell (default: 2; with --smoke: 1)",
+    )
     parser.add_argument("--cache-dir", help="part b: where the trained pair is kept")
     parser.add_argument("--select-batch-sizes", default="1,8,32,64,256", help="part s")
     parser.add_argument("--select-width", type=int, default=8, help="part s: K per row")
@@ -861,7 +870,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-compile",
         dest="compile",
         action="store_false",
-        help="part s: skip the torch.compile column (compiling takes a minute per cell)",
+        help="part s: skip the torch.compile column (compiling takes a minute per cell; "
+        "compiled: %(default)s)",
     )
     parser.add_argument("--corpus-mb", type=float, default=120.0, help="part b: corpus size")
     parser.add_argument("--train-minutes", type=float, default=3.0)
@@ -869,9 +879,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument(
-        "--eager", dest="graphs", action="store_false", help="part a in eager mode, not graphs"
+        "--eager",
+        dest="graphs",
+        action="store_false",
+        help="part a in eager mode, not CUDA graphs (graphs: %(default)s)",
     )
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes: check the script")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes, batch sizes 1 and 2, one repeat: check the script (a few minutes "
+        "on a CPU)",
+    )
     parser.add_argument("--output", help="also write the tables to this markdown file")
     parser.add_argument(
         "--time-limit",
@@ -881,6 +899,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "already); 0: no limit. The default fits a 10-minute command with room to spare",
     )
     args = parser.parse_args(argv)
+    given = vars(args)  # the two defaults that --smoke changes, where not given
+    given.setdefault("batch_sizes", "1,2" if args.smoke else "1,8,32,64")
+    given.setdefault("repeats", 1 if args.smoke else 2)
     if args.steps < 2:  # part a's HF step time is (steps tokens - 1 token) / (steps - 1)
         parser.error(f"--steps must be at least 2, got {args.steps}")
     if args.repeats < 1:
