@@ -803,9 +803,23 @@ def window_selection(
     window: int | Tensor,  # one for the batch, or [B] int64 per row
 ) -> Selection:
     """Each active row's selectable prefix, at most ``window`` long: the window selectors'
-    chains (fixed SD, DSD, the heuristic, the threshold's confident prefix)."""
-    lengths = available_lengths(draft_logprobs).clamp(max=window)  # [B]
-    return Selection.from_lengths(mask_inactive(lengths, active), draft_logprobs.shape[1])
+    chains (fixed SD, DSD, the heuristic, the threshold's confident prefix).
+
+    As masks, not lengths: the selectable prefix is where the running minimum of the log-probs
+    is not yet ``-inf``, and a batch-wide window is a cached ``[1, K]`` mask. Every decoding
+    step runs this, and in eager mode on a GPU each kernel costs a launch: five here against
+    seven through the lengths."""
+    width = draft_logprobs.shape[1]
+    selectable = draft_logprobs.cummin(dim=1).values > NEG_INF  # [B, K] a prefix per row
+    if isinstance(window, Tensor):
+        inside = prefix_mask(window, width)  # [B, K]
+    else:
+        inside = cached_constant(("window", width, window, draft_logprobs.device), _window)
+    return Selection.from_mask(selectable & inside, active)
+
+
+def _window(width: int, window: int, device: torch.device) -> Tensor:  # -> [1, width] bool
+    return torch.arange(width, device=device).unsqueeze(0) < window
 
 
 def window_tree_selection(
