@@ -77,6 +77,11 @@ CONFIGS = {
         None,
     ),
     "tetris-tree": ({"name": "tetris", "k": 3, "extra": 2}, TreeSpec(3, 2, 2)),
+    # Sampling drafts the top tokens as children instead of draws (verified as point masses).
+    "tetris-tree-top": (
+        {"name": "tetris", "k": 3, "extra": 2},
+        TreeSpec(3, 2, 2, sampled_children=False),
+    ),
     "paper-tree": (PAPER, TreeSpec(3, 2, 2)),
     "dsd": ({"name": "dsd", "max_k": 4, "interval": 2}, None),
     "dsd-tree": ({"name": "dsd", "max_k": 3, "interval": 2}, TreeSpec(3, 2, 2)),
@@ -566,7 +571,7 @@ def test_a_selector_used_again_is_kept_before_older_ones() -> None:
         pytest.param("cuda", marks=needs_cuda),
     ],
 )
-@pytest.mark.parametrize("config", ["tetris", "tetris-tree"])
+@pytest.mark.parametrize("config", ["tetris", "tetris-tree", "tetris-tree-top"])
 def test_graphs_sample_like_eager_mode(device: str, config: str) -> None:
     """With the same generator seed, graph mode (CPU: trace mode) samples the same tokens as
     eager mode, chains and trees: the stages consume the generator in the same order, captured

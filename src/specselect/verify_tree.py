@@ -242,6 +242,7 @@ def tree_rejection_verify(
     current = torch.full((rows,), -1, dtype=torch.int64, device=device)  # last accepted node
     walking = torch.ones(rows, dtype=torch.bool, device=device)
     residual = gather_columns(target_probs, current + 1).to(dtype)  # [B, V]
+    vocab = torch.arange(residual.shape[1], device=device)  # [V]
     for _ in range(depth_limit):
         children = selected & (buffers.parents == current.unsqueeze(1)) & walking.unsqueeze(1)
         order = children.to(torch.int64).cumsum(dim=1)  # [B, N] 1-based rank among children
@@ -253,8 +254,10 @@ def tree_rejection_verify(
             token = tokens[batch, child]  # [B]
             if sampled_children:
                 proposal = gather_columns(draft_probs, current + 1).to(dtype)  # [B, V]
-            else:
-                proposal = torch.nn.functional.one_hot(token, residual.shape[1]).to(dtype)
+            else:  # the draft proposed its top tokens: all its mass on this one
+                # A comparison, not F.one_hot: one_hot checks its values on the host (a sync,
+                # which a captured stage must not make).
+                proposal = (vocab == token.unsqueeze(1)).to(dtype)  # [B, V]
             r_x = residual.gather(1, token.unsqueeze(1)).squeeze(1)
             q_x = proposal.gather(1, token.unsqueeze(1)).squeeze(1)
             accept_prob = torch.where(q_x > 0, r_x / q_x, (r_x > 0).to(dtype)).clamp(max=1.0)
