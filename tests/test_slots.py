@@ -218,3 +218,7 @@ def test_per_step_counts_are_dense_when_read() -> None:
     assert per_step[0].tolist() == [1, 0, 5, 0] and per_step[-1].tolist() == [0, 0, 0, 0]
     assert [counts.tolist() for counts in per_step[:1]] == [[1, 0, 5, 0]]
     assert [counts.tolist() for counts in per_step] == [[1, 0, 5, 0], [0, 0, 0, 0]]
+    assert per_step.stacked().tolist() == [[1, 0, 5, 0], [0, 0, 0, 0]]
+    assert torch.equal(per_step.stacked(), torch.stack(list(per_step)))
+    with pytest.raises(ValueError, match="rows and counts must pair up, got 1 and 2"):
+        per_step.append([0], [1, 2])

@@ -919,6 +919,37 @@ def test_goodput_depth_weighs_what_verification_costs() -> None:
     assert accepted_only > everything > tree
 
 
+@pytest.mark.parametrize(
+    ("rates", "match"),
+    [
+        ([0.7, 0.6], "acceptance must hold 5 probabilities in \\[0, 1\\], one per depth"),
+        ([0.7, 0.6, math.nan, 0.6, 0.6], "acceptance must hold 5 probabilities"),
+        ([0.7, 1.5, 0.6, 0.6, 0.6], "acceptance must hold 5 probabilities"),
+    ],
+)
+def test_goodput_depth_refuses_rates_that_are_no_probabilities(
+    rates: list[float], match: str
+) -> None:
+    """Given rates are checked (a NaN once chose its own depth), and any sequence serves."""
+    planner = goodput_tetris(COST_SHAPES["knee"], k=2, extra=3).planner
+    with pytest.raises(ValueError, match=match):
+        planner.best_depth(4, rates, np.ones(5), 1.0)
+    rates = [0.7, 0.6, 0.6, 0.6, 0.6]
+    assert planner.best_depth(4, rates, [1.0] * 5, 1.0) == planner.best_depth(
+        4, np.array(rates), np.ones(5), 1.0
+    )
+
+
+def test_goodput_planner_refuses_negative_outcomes() -> None:
+    """A negative count is refused before the model changes (it used to be clipped to 0)."""
+    planner = goodput_tetris(COST_SHAPES["knee"], k=2, extra=3).planner
+    planner.observe([3, 1], [2, 0], [3, 1])
+    before = planner.acceptance().tolist()
+    with pytest.raises(ValueError, match="must be counts >= 0, got \\[1, 2\\], \\[-1, 1\\]"):
+        planner.observe([1, 2], [-1, 1], [1, 2])
+    assert planner.acceptance().tolist() == before
+
+
 def test_goodput_depth_model_counts_what_the_budget_left_out() -> None:
     """The bias the model avoids: when the budget verifies depth 2 on one row of two and the
     target accepts everything verified, depth 2 yielded one token per two rows that drafted

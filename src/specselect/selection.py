@@ -209,6 +209,8 @@ class Selector(abc.ABC):
         #: graph recorded on this selector's state from replaying for another one.
         self.capture_token = next(_CAPTURE_TOKENS)
         self._device: torch.device | None = None  # the inputs' device at the last select
+        # ([B, K] tested, [B, K] passed) of the step update() is learning from, once computed
+        self._step_outcomes: tuple[Tensor, Tensor] | None = None
 
     @abc.abstractmethod
     def draft_length(self, num_active: int) -> int:
@@ -338,20 +340,21 @@ class Selector(abc.ABC):
             )
         if accepted_nodes is not None:
             _check_accepted_nodes(accepted_nodes, selection, num_accepted, last)
-        outcomes = None  # ([B, K] tested, [B, K] passed), computed once for all who learn
-        if last is not None and self._learns_outcomes:
-            outcomes = self.outcomes(selection, num_accepted, accepted_nodes)
-        if self.estimator is not None and last is not None and outcomes is not None:
+        self._step_outcomes = None
+        if self.estimator is not None and last is not None:
+            self._step_outcomes = self.outcomes(selection, num_accepted, accepted_nodes)
             given = () if last.features is None else (last.features,)
-            self.estimator.learn(last.logprobs, *outcomes, last.positions, *given)
-        self._update(selection, num_accepted, outcomes)
+            self.estimator.learn(last.logprobs, *self._step_outcomes, last.positions, *given)
+        self._update(selection, num_accepted, accepted_nodes)
         self._answered = last is not None
 
-    @property
-    def _learns_outcomes(self) -> bool:
-        """Whether :meth:`update` needs the step's tested and passed masks (the estimator's,
-        and whatever :meth:`_update` learns from them): they are computed once, for all."""
-        return self.estimator is not None
+    def _outcomes_of_step(
+        self, selection: Selection, num_accepted: Tensor, accepted_nodes: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`outcomes` for :meth:`_update`: the masks the estimator learned from this
+        step, if it did, rather than a second computation of them."""
+        known = self._step_outcomes
+        return self.outcomes(selection, num_accepted, accepted_nodes) if known is None else known
 
     def _matching_last(self, selection: Selection) -> _LastSelect | None:
         """The last select's record, or a clear error if ``selection`` cannot be its answer."""
@@ -400,14 +403,10 @@ class Selector(abc.ABC):
         return torch.where(selection.mask, depth, 0).amax(dim=1)
 
     def _update(  # noqa: B027
-        self,
-        selection: Selection,
-        num_accepted: Tensor,
-        outcomes: tuple[Tensor, Tensor] | None,
+        self, selection: Selection, num_accepted: Tensor, accepted_nodes: Tensor | None
     ) -> None:
-        """Adaptive selectors override this (arguments checked; ``outcomes``, the step's
-        ``[B, K]`` tested and passed masks, when :attr:`_learns_outcomes` and there was a
-        select); the default keeps no state."""
+        """Adaptive selectors override this (arguments checked; :meth:`_outcomes_of_step`
+        gives the step's tested and passed masks); the default keeps no state."""
 
     def observe(
         self,

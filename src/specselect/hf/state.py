@@ -64,7 +64,19 @@ class PerStep(Sequence[Tensor]):
 
     def append(self, rows: list[int], counts: list[int]) -> None:
         """Add a step: ``counts[i]`` for caller row ``rows[i]``, 0 for the rows not listed."""
+        if len(rows) != len(counts):
+            raise ValueError(f"rows and counts must pair up, got {len(rows)} and {len(counts)}")
         self._steps.append((rows, counts))
+
+    def stacked(self) -> Tensor:  # [T, B] int64
+        """Every step's counts as one ``[steps, B]`` tensor (what ``torch.stack`` made of the
+        lists these were; ``torch.stack(list(per_step))`` works too)."""
+        dense = torch.zeros(len(self._steps), self.batch, dtype=torch.int64)
+        steps = [t for t, (rows, _) in enumerate(self._steps) for _ in rows]
+        rows = [row for rows, _ in self._steps for row in rows]
+        counts = [count for _, counts in self._steps for count in counts]
+        dense[steps, rows] = torch.tensor(counts, dtype=torch.int64)
+        return dense
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -336,7 +348,7 @@ class GenerationState:
         self.lengths: list[int] = []  # per caller row: context (prompt but its last) tokens
         self.spans: list[int] = []  # per caller row: columns from its first context token on
         self.admitted = 0  # rows that have had a slot (rows are admitted in order)
-        self.retired = 0  # steps read back (see retire)
+        self.steps_read = 0  # steps read back so far: the step a row admitted now starts at
 
     def start(
         self, options: GenerationOptions, input_ids: Tensor, attention_mask: Tensor, limit: int
@@ -368,7 +380,7 @@ class GenerationState:
         self.generated_host = [0] * batch
         self.counts = ([0] * size, [0] * size)
         self.per_row = {name: [0] * batch for name in PER_ROW}
-        self.retired = 0  # steps retired so far: the step a row admitted now starts at
+        self.steps_read = 0
         self.target.reset()
         if self.drafter is not None:
             self.drafter.reset()
@@ -389,7 +401,7 @@ class GenerationState:
         slots, rows = free[:take], list(range(self.admitted, self.admitted + take))
         self.admitted += take
         for row in rows:
-            self.per_row["first_step"][row] = self.retired
+            self.per_row["first_step"][row] = self.steps_read
         ids, mask = self.prompts
         if self.admitted == self.batch:
             self.drop_prompts()
@@ -567,7 +579,7 @@ class GenerationState:
         This is all the host must do between the read-back and the next step's first launch,
         while the device waits; the statistics can wait until that launch has been made."""
         served = list(self.slot_rows)
-        self.retired += 1
+        self.steps_read += 1
         written, finished = report[WRITTEN], report[FINISHED]
         self.counts = (report[TARGET_COUNT], report[DRAFT_COUNT])
         for slot, row in enumerate(served):

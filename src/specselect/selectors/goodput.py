@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specselect._checks import check_int, check_probability
+from specselect._checks import check_int, check_probability, check_real
 from specselect.constants import cached_constant
 from specselect.cost import default_cost_model
 
@@ -73,9 +73,9 @@ GOODPUT = "goodput"
 
 INF = float("inf")
 # The planner's decayed row counts per depth j (rows of GoodputPlanner._counts): rows whose
-# depth j - 1 was accepted (REACHED) and depth j too (PASSED); rows whose depth j - 1 was
-# verified (OPENED) and depth j too (VERIFIED).
-_COUNTS = REACHED, PASSED, OPENED, VERIFIED = range(4)
+# depth j - 1 was accepted (_REACHED) and depth j too (_PASSED); rows whose depth j - 1 was
+# verified (_OPENED) and depth j too (_VERIFIED).
+_COUNTS = _REACHED, _PASSED, _OPENED, _VERIFIED = range(4)
 
 
 @runtime_checkable
@@ -326,6 +326,11 @@ class GoodputPlanner:
         x = np.asarray(accepted, dtype=np.int64).reshape(-1)
         d = np.asarray(deepest, dtype=np.int64).reshape(-1)
         drafted = max(self._drafted, int(d.max(initial=0)))
+        if min(v.min(initial=0), x.min(initial=0), d.min(initial=0)) < 0:
+            raise ValueError(
+                "verified, accepted and deepest must be counts >= 0, got "
+                f"{v.tolist()}, {x.tolist()} and {d.tolist()}"
+            )
         depths = np.stack([np.minimum(x + 1, drafted), x, np.minimum(d + 1, drafted), d])
         self._counts *= self.decay
         self._counts += _reaching(depths, self.max_depth)  # rows in the order of _COUNTS
@@ -336,12 +341,12 @@ class GoodputPlanner:
     def acceptance(self) -> np.ndarray:
         """``[max_depth]`` float64: estimated P(depth ``j`` accepted | depth ``j - 1`` was),
         a depth that the budget left unverified counting as not accepted."""
-        return _chained(self._counts[PASSED], self._counts[REACHED], self.prior, self.strength)
+        return _chained(self._counts[_PASSED], self._counts[_REACHED], self.prior, self.strength)
 
     def verification(self) -> np.ndarray:
         """``[max_depth]`` float64: estimated P(depth ``j`` verified | depth ``j - 1`` was);
         before any evidence, 1 (the budget verifies what is drafted)."""
-        return _chained(self._counts[VERIFIED], self._counts[OPENED], 1.0, self.strength)
+        return _chained(self._counts[_VERIFIED], self._counts[_OPENED], 1.0, self.strength)
 
     def width(self) -> float:
         """Verified nodes per verified depth: 1 for chains, a tree's mean width."""
@@ -383,9 +388,17 @@ class GoodputPlanner:
         active = check_int("active", active)
         if active == 0:
             return 0
-        accept = self.acceptance() if acceptance is None else acceptance
-        verify = self.verification() if verification is None else verification
-        width = self.width() if width is None else width
+        accept = (
+            self.acceptance()
+            if acceptance is None
+            else _rates("acceptance", acceptance, self.max_depth)
+        )
+        verify = (
+            self.verification()
+            if verification is None
+            else _rates("verification", verification, self.max_depth)
+        )
+        width = self.width() if width is None else check_real("width", width, low=0.0)
         # Python floats, not numpy: a handful of depths, between a step's read-back and the
         # next launch, where numpy's per-call overhead would cost more than the arithmetic.
         expected = [active * s for s in _running_sums(accept)]  # [D + 1]
@@ -462,6 +475,18 @@ def _chained(passed: np.ndarray, tried: np.ndarray, prior: float, strength: floa
     for j in range(len(passed)):
         previous = rates[j] = (passed[j] + strength * previous) / (tried[j] + strength)
     return rates
+
+
+def _rates(name: str, rates: object, depths: int) -> np.ndarray:
+    """Given per-depth ``rates`` as ``[depths]`` float64 probabilities, or an error naming
+    ``name``."""
+    values = np.asarray(rates, dtype=np.float64)
+    if values.shape != (depths,) or not ((values >= 0) & (values <= 1)).all():
+        raise ValueError(
+            f"{name} must hold {depths} probabilities in [0, 1], one per depth, got "
+            f"{values.tolist()}"
+        )
+    return values
 
 
 def _running_sums(rates: np.ndarray) -> list[float]:

@@ -256,17 +256,11 @@ class TetrisSelector(Selector):
         if self.guard is not None:
             self.guard.to(device)
 
-    @property
-    def _learns_outcomes(self) -> bool:
-        return self.estimator is not None or self.guard is not None
-
     def _update(
-        self,
-        selection: Selection,
-        num_accepted: Tensor,
-        outcomes: tuple[Tensor, Tensor] | None,
+        self, selection: Selection, num_accepted: Tensor, accepted_nodes: Tensor | None
     ) -> None:
-        if self.guard is not None and self.last_scores is not None and outcomes is not None:
+        if self.guard is not None and self.last_scores is not None:
+            outcomes = self._outcomes_of_step(selection, num_accepted, accepted_nodes)
             self.guard.observe(self.last_scores, *outcomes)
 
     def _observe(self, outcomes: Outcomes) -> None:
