@@ -1083,3 +1083,22 @@ def test_goodput_budget_never_selects_unavailable_entries() -> None:
     active = torch.tensor([True, True, False])
     selection = goodput_tetris(dipping, k=1, extra=2).select(logprobs, active)
     assert selection.lengths.tolist() == [1, 2, 0]
+
+
+def test_default_tetris_computes_a_steps_outcomes_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its estimator and its guard learn from the same tested / passed masks: computed once."""
+    import specselect.selection as selection
+
+    calls = []
+    real = selection.observed_outcomes
+
+    def counted(*args: object) -> object:
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(selection, "observed_outcomes", counted)
+    selector = TetrisSelector(2, extra=1)
+    assert selector.estimator is not None and selector.guard is not None
+    chosen = selector.select(torch.rand(4, 3, generator=torch.Generator().manual_seed(0)).log())
+    selector.update(chosen, torch.minimum(chosen.lengths, torch.ones(4, dtype=torch.int64)))
+    assert len(calls) == 1
