@@ -818,7 +818,7 @@ def window_selection(
 
 
 def _window(width: int, window: int, device: torch.device) -> Tensor:  # -> [1, width] bool
-    return torch.arange(width, device=device).unsqueeze(0) < window
+    return _columns(width, device) < window
 
 
 def window_tree_selection(

@@ -242,7 +242,8 @@ def tree_rejection_verify(
     current = torch.full((rows,), -1, dtype=torch.int64, device=device)  # last accepted node
     walking = torch.ones(rows, dtype=torch.bool, device=device)
     residual = gather_columns(target_probs, current + 1).to(dtype)  # [B, V]
-    vocab = torch.arange(residual.shape[1], device=device)  # [V]
+    # [V] token ids, for the top-token children's point masses (made once, only for them)
+    vocab = None if sampled_children else torch.arange(residual.shape[1], device=device)
     for _ in range(depth_limit):
         children = selected & (buffers.parents == current.unsqueeze(1)) & walking.unsqueeze(1)
         order = children.to(torch.int64).cumsum(dim=1)  # [B, N] 1-based rank among children
@@ -257,6 +258,7 @@ def tree_rejection_verify(
             else:  # the draft proposed its top tokens: all its mass on this one
                 # A comparison, not F.one_hot: one_hot checks its values on the host (a sync,
                 # which a captured stage must not make).
+                assert vocab is not None
                 proposal = (vocab == token.unsqueeze(1)).to(dtype)  # [B, V]
             r_x = residual.gather(1, token.unsqueeze(1)).squeeze(1)
             q_x = proposal.gather(1, token.unsqueeze(1)).squeeze(1)
