@@ -10,6 +10,7 @@ device (which has no data to read back); and, when CUDA is present, CUDA's sync 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import itertools
 import math
@@ -356,6 +357,35 @@ def test_empty_batch(name: str, tree: bool) -> None:
         assert selection.lengths.shape == (0,) and selection.mask.shape == (0, 5)
         accepted_nodes = torch.zeros(0, 5, dtype=torch.bool) if tree else None
         selector.update(selection, torch.zeros(0, dtype=torch.int64), accepted_nodes=accepted_nodes)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_step_with_nothing_drafted_learns_nothing(name: str, tree: bool) -> None:
+    """A plain step (``K = 0``: the goodput budget's choice when drafting does not pay, or the
+    last token of every row) selects nothing and tested nothing: after it, the selector ranks
+    as if it had not happened (its estimator used to count it, decaying what it had learned)."""
+    trained = make(name)
+    parents = chain_parents(BATCH, 3) if tree else None
+    for seed in range(6):
+        logprobs = drafted(trained, seed=seed)[:, :3]
+        selection = trained.select(logprobs, parents=parents)
+        accepted = accepted_for(selection, seed)
+        path = torch.arange(3) < accepted.unsqueeze(1) if tree else None  # [B, 3]
+        trained.update(selection, accepted, accepted_nodes=path)
+        observe(trained, selection, accepted, None, tree=tree)
+    untouched = copy.deepcopy(trained)
+    empty_parents = torch.zeros(BATCH, 0, dtype=torch.int64) if tree else None
+    selection = trained.select(torch.zeros(BATCH, 0), parents=empty_parents)
+    assert selection.lengths.tolist() == [0] * BATCH and selection.mask.shape == (BATCH, 0)
+    nodes = torch.zeros(BATCH, 0, dtype=torch.bool) if tree else None
+    trained.update(selection, torch.zeros(BATCH, dtype=torch.int64), accepted_nodes=nodes)
+    trained.observe([0] * BATCH, [0] * BATCH)
+    probe = drafted(trained, seed=9)[:, :3]
+    after, before = trained.select(probe, parents=parents), untouched.select(probe, parents=parents)
+    assert torch.equal(after.mask, before.mask)
+    if trained.last_scores is not None:
+        assert torch.equal(trained.last_scores, untouched.last_scores)
 
 
 # --------------------------------------------------------------------------------------------

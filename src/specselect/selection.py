@@ -261,7 +261,10 @@ class Selector(abc.ABC):
                 only when :attr:`uses_features`; a loop computes them only then.
 
         Returns:
-            A :class:`Selection` on the input's device.
+            A :class:`Selection` on the input's device. With nothing drafted (``K = 0``, a
+            plain decoding step) it is empty, and neither the estimator nor the selector's own
+            ranking runs: there is nothing to rank, and the step's :meth:`update` has nothing
+            to learn.
         """
         draft_logprobs = check_logprobs("draft_logprobs", draft_logprobs)
         self._follow_device(draft_logprobs.device)
@@ -284,6 +287,25 @@ class Selector(abc.ABC):
             features = check_features(features, draft_logprobs)
         if not self.uses_features:
             features = None
+        if width == 0:  # nothing drafted (a plain step): nothing to rank or estimate
+            scores = draft_logprobs
+            selection = Selection(scores.new_zeros(rows, dtype=torch.int64), scores > 0)
+        else:
+            scores, selection = self._rank(draft_logprobs, active, parents, positions, features)
+        self._last = _LastSelect(draft_logprobs, scores, parents, positions, features)
+        self._answered = False
+        return selection
+
+    def _rank(
+        self,
+        draft_logprobs: Tensor,  # [B, K] (or [B, N] nodes)
+        active: Tensor | None,  # [B] bool
+        parents: Tensor | None,  # [B, N]
+        positions: Tensor | None,  # [B, N] depth - 1
+        features: Tensor | None,  # [B, K, F]
+    ) -> tuple[Tensor, Selection]:
+        """The scores ranked (the estimator's, or the log-probs) and the selection of checked
+        arguments."""
         scores = draft_logprobs
         if self.estimator is not None:
             # Features go only to an estimator that declared it reads them (one written before
@@ -291,12 +313,8 @@ class Selector(abc.ABC):
             given = () if features is None else (features,)
             scores = self.estimator.estimate(draft_logprobs, positions, *given)
         if parents is None or positions is None:
-            selection = self._select(scores, active)
-        else:
-            selection = self._select_tree(scores, active, parents, positions + 1)
-        self._last = _LastSelect(draft_logprobs, scores, parents, positions, features)
-        self._answered = False
-        return selection
+            return scores, self._select(scores, active)
+        return scores, self._select_tree(scores, active, parents, positions + 1)
 
     @abc.abstractmethod
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
@@ -321,7 +339,9 @@ class Selector(abc.ABC):
         After a tree selection, also pass ``accepted_nodes`` (``[B, N]`` bool, the accepted
         root-to-node path) so that estimators know which nodes passed. The acceptance
         estimator, if any, learns from the outcomes; adaptive selectors override
-        :meth:`_update`.
+        :meth:`_update`. After an empty selection of nothing drafted (``K = 0``) neither runs:
+        a step that tested nothing is no evidence, and counting it would only decay what
+        earlier steps taught.
 
         Raises:
             ValueError: ``num_accepted`` is not a ``[B]`` count tensor, exceeds
@@ -341,6 +361,9 @@ class Selector(abc.ABC):
         if accepted_nodes is not None:
             _check_accepted_nodes(accepted_nodes, selection, num_accepted, last)
         self._step_outcomes = None
+        if selection.mask.shape[1] == 0:  # a plain step tested nothing: no evidence to learn
+            self._answered = last is not None
+            return
         if self.estimator is not None and last is not None:
             self._step_outcomes = self.outcomes(selection, num_accepted, accepted_nodes)
             given = () if last.features is None else (last.features,)
