@@ -271,6 +271,14 @@ def bad_outcomes(x: torch.Tensor) -> dict[str, tuple]:
         "positions-shape": ((x, yes, yes, torch.zeros(2, dtype=torch.int64)), ValueError, "rank 2"),
         "positions-dtype": ((x, yes, yes, torch.zeros(1, 2)), TypeError, "positions must be an"),
         "logprobs-dtype": ((x.to(torch.int64), yes, yes), TypeError, "draft_logprobs must be a"),
+        "logprobs-nan": ((x.clone().fill_(math.nan), yes, yes), ValueError, "contains NaN"),
+        "logprobs-posinf": ((x.clone().fill_(math.inf), yes, yes), ValueError, r"contains \+inf"),
+        "logprobs-positive": ((x + 3, yes, yes), ValueError, "contains positive values"),
+        "positions-negative": (
+            (x, yes, yes, -torch.ones(1, 2, dtype=torch.int64)),
+            ValueError,
+            "positions must be >= 0",
+        ),
     }
 
 
@@ -288,6 +296,48 @@ def test_learn_refuses_inconsistent_outcomes_before_changing_state(name: str, ca
     with pytest.raises(error, match=match):
         estimator.learn(*arguments)
     assert torch.equal(estimator.estimate(x), before)
+
+
+BAD_ESTIMATES = {  # estimate arguments for [1, 2] log-probs x, each wrong in one way
+    "logprobs-rank": (lambda x: (x[0],), ValueError, "draft_logprobs must have rank 2"),
+    "logprobs-nan": (lambda x: (x.clone().fill_(math.nan),), ValueError, "contains NaN"),
+    "logprobs-positive": (lambda x: (x + 3,), ValueError, "contains positive values"),
+    "positions-dtype": (lambda x: (x, torch.zeros(1, 2)), TypeError, "positions must be an"),
+    "positions-negative": (
+        lambda x: (x, -torch.ones(1, 2, dtype=torch.int64)),
+        ValueError,
+        "positions must be >= 0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ESTIMATES))
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_estimate_refuses_what_is_no_log_probability(name: str, case: str) -> None:
+    """Called directly, every estimator checks what ``select`` checks for it: a NaN estimate
+    used to reach the selection silently, and one NaN learned made every later estimate NaN."""
+    estimator = ESTIMATORS[name]()
+    arguments, error, match = BAD_ESTIMATES[case]
+    with pytest.raises(error, match=match):
+        estimator.estimate(*arguments(torch.tensor([[-0.1, -2.0]])))
+
+
+@pytest.mark.parametrize(
+    ("estimates", "passed", "match"),
+    [
+        (torch.tensor([[math.nan, -1.0]]), None, "estimates contains NaN"),
+        (torch.tensor([[0.5, -1.0]]), None, "estimates contains positive values"),
+        (torch.tensor([[-0.5, -1.0]]), torch.tensor([[True, True]]), "passed must imply tested"),
+    ],
+    ids=["nan", "positive", "untested-pass"],
+)
+def test_ranking_guard_checks_what_it_observes(estimates, passed, match: str) -> None:
+    """A NaN score used to fail deep in an index_add, a pass outside the tested tokens to be
+    counted as a pass."""
+    guard = RankingGuard()
+    tested = torch.tensor([[True, False]])
+    with pytest.raises(ValueError, match=match):
+        guard.observe(estimates, tested, tested if passed is None else passed)
 
 
 @pytest.mark.parametrize(

@@ -311,6 +311,7 @@ def test_traces_validate_shapes_and_types() -> None:
         ((prompts, output.float(), tokens, logprobs), TypeError, "output_ids"),
         ((prompts, output, tokens.float(), logprobs), TypeError, "draft_tokens"),
         (([[1, 2], [3]], output, tokens, logprobs), TypeError, r"prompt_ids\[0\]"),
+        (([], output[:0], tokens[:0], logprobs[:0]), ValueError, "at least one request"),
     ]
     for args, error, match in bad:
         with pytest.raises(error, match=match):
@@ -517,12 +518,13 @@ def test_replay_rejects_selector_breaking_the_contract(random_run_traces: Traces
         (("not traces", FixedWindowSelector(1), 2), TypeError, "traces"),
         ((None, "fixed", 2), TypeError, "selector"),
         ((None, FixedWindowSelector(1), 0), ValueError, "slots"),
+        ((None, FixedWindowSelector(1), 2, "cost.json"), TypeError, "cost_model must be"),
     ],
 )
 def test_replay_bad_arguments(random_run_traces: Traces, args: tuple, error: type, match: str):
-    traces, selector, slots = args
+    traces, selector, slots, *cost_model = args
     with pytest.raises(error, match=match):
-        replay(random_run_traces if traces is None else traces, selector, slots)
+        replay(random_run_traces if traces is None else traces, selector, slots, *cost_model)
 
 
 # --------------------------------------------------------------------------------------------

@@ -334,6 +334,35 @@ def test_update_takes_one_feedback_per_select(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", CONFIGS)
+def test_update_answers_a_select(name: str) -> None:
+    """Feedback without a select since the last reset would be lost (nothing knows what was
+    drafted): an error, where it used to be ignored."""
+    selector = make(name)
+    feedback = Selection.from_lengths(torch.ones(BATCH, dtype=torch.int64), 3)
+    with pytest.raises(ValueError, match=r"update answers a select\(\)"):
+        selector.update(feedback, torch.ones(BATCH, dtype=torch.int64))
+    selection = selector.select(drafted(selector, seed=0))
+    selector.reset()
+    with pytest.raises(ValueError, match=r"update answers a select\(\)"):
+        selector.update(selection, selection.lengths)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_observe_refuses_outcomes_the_last_select_cannot_have(name: str) -> None:
+    """More rows than the batch, or more verified tokens than were drafted: a host planner
+    would have learned from them."""
+    selector = make(name)
+    logprobs = drafted(selector, seed=0)
+    selection = selector.select(logprobs)
+    selector.update(selection, selection.lengths)
+    width = logprobs.shape[1]
+    with pytest.raises(ValueError, match=f"at most the {width} draft tokens"):
+        selector.observe([width + 1] * BATCH, [0] * BATCH)
+    with pytest.raises(ValueError, match=f"the last select\\(\\) had {BATCH} rows"):
+        selector.observe([1] * (BATCH + 1), [0] * (BATCH + 1))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
 def test_update_for_another_batch_asks_for_reset(name: str) -> None:
     selector = make(name)
     selector.select(drafted(selector, seed=0))

@@ -229,7 +229,11 @@ def check_ints(name: str, value: object, shape: tuple[int, ...], device: torch.d
 
 def check_counts(name: str, value: object, batch: int, device: torch.device) -> Tensor:
     """Check a per-row integer count tensor of shape ``[batch]``: values >= 0."""
-    t = check_row_ints(name, value, batch, device)
+    return check_non_negative(name, check_row_ints(name, value, batch, device))
+
+
+def check_non_negative(name: str, t: Tensor) -> Tensor:
+    """Raise if an integer tensor holds a negative value (a value check: see the module doc)."""
     if _values_checkable(t) and t.numel() and bool((t < 0).any()):
         raise ValueError(f"{name} must be >= 0, got min {int(t.min())}")
     return t

@@ -110,9 +110,11 @@ def _int_list(option: str, minimum: int, names: tuple[str, ...] = (), at_least: 
 
 
 def _name_list(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError("--selectors expects comma-separated selector names")
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):  # "tetris," or "a,,b": a name lost, as --k refuses "2,,3"
+        raise argparse.ArgumentTypeError(
+            f"--selectors expects comma-separated selector names, got {text!r}"
+        )
     from specselect.registry import parse_spec
 
     for name in names:

@@ -347,13 +347,14 @@ class Selector(abc.ABC):
             ValueError: ``num_accepted`` is not a ``[B]`` count tensor, exceeds
                 ``selection.lengths`` (checked where values are readable without a sync: CPU
                 tensors), or ``selection`` does not match the last :meth:`select` (a new batch
-                needs :meth:`reset`), or this select was already given its feedback.
+                needs :meth:`reset`), or there was no :meth:`select` since the last reset, or
+                this select was already given its feedback.
         """
         lengths = selection.lengths
         check_counts("num_accepted", num_accepted, lengths.shape[0], lengths.device)
         check_at_most("num_accepted", num_accepted, "selection.lengths", lengths)
         last = self._matching_last(selection)
-        if last is not None and self._answered:
+        if self._answered:
             raise ValueError(
                 f"{type(self).__name__}.update was already called for the last select(): "
                 "feedback is once per step (a second call would learn the step twice)"
@@ -362,14 +363,14 @@ class Selector(abc.ABC):
             _check_accepted_nodes(accepted_nodes, selection, num_accepted, last)
         self._step_outcomes = None
         if selection.mask.shape[1] == 0:  # a plain step tested nothing: no evidence to learn
-            self._answered = last is not None
+            self._answered = True
             return
-        if self.estimator is not None and last is not None:
+        if self.estimator is not None:
             self._step_outcomes = self.outcomes(selection, num_accepted, accepted_nodes)
             given = () if last.features is None else (last.features,)
             self.estimator.learn(last.logprobs, *self._step_outcomes, last.positions, *given)
         self._update(selection, num_accepted, accepted_nodes)
-        self._answered = last is not None
+        self._answered = True
 
     def _outcomes_of_step(
         self, selection: Selection, num_accepted: Tensor, accepted_nodes: Tensor | None
@@ -379,11 +380,14 @@ class Selector(abc.ABC):
         known = self._step_outcomes
         return self.outcomes(selection, num_accepted, accepted_nodes) if known is None else known
 
-    def _matching_last(self, selection: Selection) -> _LastSelect | None:
+    def _matching_last(self, selection: Selection) -> _LastSelect:
         """The last select's record, or a clear error if ``selection`` cannot be its answer."""
         last = self._last
-        if last is None:
-            return None
+        if last is None:  # the feedback would be lost: nothing knows what was drafted
+            raise ValueError(
+                f"{type(self).__name__}.update answers a select(): call select() first (a new "
+                "selector, or one after reset(), has no step to learn from)"
+            )
         seen, mask = last.logprobs, selection.mask
         if mask.shape != seen.shape or mask.device != seen.device:
             raise ValueError(
@@ -482,6 +486,8 @@ class Selector(abc.ABC):
         else:
             outcomes = check_outcomes(verified, accepted, deepest)
             rows = None if active is None else check_active_rows(active, len(outcomes[0]))
+            if self._last is not None:
+                _check_fits_selection(outcomes[0], tuple(self._last.logprobs.shape))
         tree = self._last is not None and self._last.parents is not None
         if deepest is None and tree and any(outcomes[0]):
             raise ValueError(
@@ -638,7 +644,7 @@ def _check_accepted_nodes(
     accepted_nodes: object,
     selection: Selection,
     num_accepted: Tensor,
-    last: _LastSelect | None,
+    last: _LastSelect,
 ) -> None:
     """``accepted_nodes`` must be a ``[B, N]`` bool path of selected nodes, ``num_accepted``
     long per row (its values are checked where they are readable without a sync); after the
@@ -661,7 +667,7 @@ def _check_accepted_nodes(
             f"accepted_nodes must hold num_accepted nodes per row (the accepted path), got "
             f"{int(counts[row])} in row {row} where num_accepted[{row}] = {int(num_accepted[row])}"
         )
-    if last is not None and last.parents is not None and last.positions is not None:
+    if last.parents is not None and last.positions is not None:
         _check_root_paths(t, last.parents, last.positions)
 
 
@@ -764,6 +770,22 @@ def check_active_rows(active: object, entries: int) -> list[bool]:
             f"active for {entries} entries"
         )
     return flags
+
+
+def _check_fits_selection(verified: list[int], shape: tuple[int, ...]) -> None:
+    """``observe``'s outcomes must be possible after the last ``select`` of ``[B, K]`` tokens
+    (or nodes): at most ``B`` rows, at most ``K`` verified per row. A host planner would learn
+    from any count it is given."""
+    rows, width = shape
+    if len(verified) > rows:
+        raise ValueError(
+            f"verified holds {len(verified)} entries, but the last select() had {rows} rows"
+        )
+    if verified and max(verified) > width:
+        raise ValueError(
+            f"verified must be at most the {width} draft tokens (nodes) of the last select() "
+            f"per row, got {max(verified)}"
+        )
 
 
 class ObserveWatch:

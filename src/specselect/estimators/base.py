@@ -34,7 +34,9 @@ from specselect._checks import (
     _values_checkable,
     check_implies,
     check_ints,
+    check_logprobs,
     check_mask,
+    check_non_negative,
     check_tensor,
 )
 
@@ -153,6 +155,7 @@ class DraftProbability(AcceptanceEstimator):
         positions: Tensor | None = None,
         features: Tensor | None = None,
     ) -> Tensor:
+        check_estimate_arguments(draft_logprobs, positions, features)
         return draft_logprobs
 
 
@@ -210,23 +213,34 @@ def check_state_device(owner: object, state: Tensor, device: torch.device) -> No
 def check_learn_arguments(
     draft_logprobs: object, tested: object, passed: object, positions: object, features: object
 ) -> None:
-    """Check :meth:`AcceptanceEstimator.learn`'s arguments: ``[B, K]`` floating log-probs,
-    bool masks and optional integer positions of that shape on its device, optional
-    ``[B, K, F]`` floating features (see :func:`check_features`; metadata: free), and
-    that every token that passed was tested, where the values can be read without a sync (see
-    :mod:`specselect._checks`): a pass that was not tested would count as both an acceptance
-    and a rejection."""
-    logprobs = check_tensor("draft_logprobs", draft_logprobs, rank=2)
-    if not logprobs.is_floating_point():
-        raise TypeError(f"draft_logprobs must be a floating-point tensor, got {logprobs.dtype}")
+    """Check :meth:`AcceptanceEstimator.learn`'s arguments: what
+    :func:`check_estimate_arguments` checks, ``[B, K]`` bool masks on the log-probs' device,
+    and that every token that passed was tested, where the values can be read without a sync
+    (see :mod:`specselect._checks`): a pass that was not tested would count as both an
+    acceptance and a rejection."""
+    logprobs = check_estimate_arguments(draft_logprobs, positions, features)
     shape, device = tuple(logprobs.shape), logprobs.device
     tested_mask = check_mask("tested", tested, shape, device)
     passed_mask = check_mask("passed", passed, shape, device)
+    check_implies("passed", passed_mask, "tested", tested_mask)
+
+
+def check_estimate_arguments(draft_logprobs: object, positions: object, features: object) -> Tensor:
+    """Check what an estimator reads, before it reads it: ``[B, K]`` log-probabilities (no
+    NaN, +inf or positive values, where readable without a sync), optional ``[B, K]`` integer
+    positions ``>= 0`` and ``[B, K, F]`` floating features on their device. Returns the
+    log-probs (an estimator that reads features checks their values).
+
+    One NaN that reached an estimator's shared state would turn every later estimate into NaN,
+    for every request; a negative position would index its tables from the end."""
+    logprobs = check_logprobs("draft_logprobs", draft_logprobs)
+    shape, device = tuple(logprobs.shape), logprobs.device
     if positions is not None:
-        check_ints("positions", positions, shape, device)
+        checked = check_ints("positions", positions, shape, device)
+        check_non_negative("positions", checked)
     if features is not None:
         check_features(features, logprobs)
-    check_implies("passed", passed_mask, "tested", tested_mask)
+    return logprobs
 
 
 def check_features(features: object, draft_logprobs: Tensor) -> Tensor:

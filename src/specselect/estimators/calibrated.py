@@ -10,6 +10,7 @@ from specselect.constants import cached_constant
 from specselect.estimators.base import (
     AcceptanceEstimator,
     Cached,
+    check_estimate_arguments,
     check_state_device,
     clamp_log,
     read_state,
@@ -132,6 +133,7 @@ class CalibratedDraft(AcceptanceEstimator):
         positions: Tensor | None = None,
         features: Tensor | None = None,
     ) -> Tensor:
+        check_estimate_arguments(draft_logprobs, positions, features)
         finite = draft_logprobs > float("-inf")
         return clamp_log(self.probabilities(draft_logprobs, positions), finite)
 

@@ -12,6 +12,7 @@ from specselect.estimators.base import (
     EPS,
     AcceptanceEstimator,
     Cached,
+    check_estimate_arguments,
     check_state_device,
     read_state,
 )
@@ -148,6 +149,7 @@ class RankingChoice(AcceptanceEstimator):
         positions: Tensor | None = None,
         features: Tensor | None = None,
     ) -> Tensor:
+        check_estimate_arguments(draft_logprobs, positions, features)
         learned = self._learned_scores(draft_logprobs, positions, features)  # [B, K]
         self._learned_estimate.keep((draft_logprobs, positions, features), learned)
         return torch.where(self.uses_learned(draft_logprobs.device), learned, draft_logprobs)

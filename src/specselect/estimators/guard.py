@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specselect._checks import check_int, check_probability
+from specselect._checks import (
+    check_implies,
+    check_int,
+    check_logprobs,
+    check_mask,
+    check_probability,
+)
 from specselect.estimators.base import check_state_device, read_state
 
 BINS = 64
@@ -105,7 +111,12 @@ class RankingGuard:
         return histograms, read_state(self._tested, device, _no_count)
 
     def observe(self, estimates: Tensor, tested: Tensor, passed: Tensor) -> None:
-        """``[B, K]`` estimated log-probabilities and the step's tested / passed masks."""
+        """``[B, K]`` estimated log-probabilities and the step's tested / passed masks
+        (checked first: a NaN would index no histogram cell)."""
+        estimates = check_logprobs("estimates", estimates)
+        shape, device = tuple(estimates.shape), estimates.device
+        tested_mask = check_mask("tested", tested, shape, device)
+        check_implies("passed", check_mask("passed", passed, shape, device), "tested", tested_mask)
         histograms, count = self._state(estimates.device)
         count.add_(tested.sum())
         # One scatter for both histograms: failing tokens land in the second row.

@@ -10,7 +10,13 @@ from torch import Tensor
 
 from specselect._checks import check_int, check_mask, check_real
 from specselect.constants import cached_constant
-from specselect.estimators.base import EPS, AcceptanceEstimator, Cached, check_state_device
+from specselect.estimators.base import (
+    EPS,
+    AcceptanceEstimator,
+    Cached,
+    check_estimate_arguments,
+    check_state_device,
+)
 from specselect.estimators.calibrated import CalibratedDraft
 from specselect.lookup import LOOKUP_FEATURES
 
@@ -261,6 +267,7 @@ class RequestHistory(AcceptanceEstimator):
         positions: Tensor | None = None,
         features: Tensor | None = None,
     ) -> Tensor:
+        check_estimate_arguments(draft_logprobs, positions, features)
         log_p = self._log_probabilities(draft_logprobs, positions, features)
         return torch.where(draft_logprobs > float("-inf"), log_p, float("-inf"))
 

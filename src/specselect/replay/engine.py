@@ -130,6 +130,15 @@ def _check_traces(traces: object) -> Traces:
     return traces
 
 
+def _check_cost_model(cost_model: object) -> CostModel:
+    if not isinstance(cost_model, CostModel):  # it prices steps: step_time, not just two passes
+        raise TypeError(
+            f"cost_model must be a specselect.cost.CostModel or None, got "
+            f"{type(cost_model).__name__}"
+        )
+    return cost_model
+
+
 def _check_selection(selection: Selection, active: Tensor, window: int, selector: Selector) -> None:
     """Replay trusts selectors only after checking the contract it relies on (cheap, offline)."""
     lengths = selection.lengths
@@ -172,7 +181,7 @@ def iter_replay(
     if not isinstance(selector, Selector):
         raise TypeError(f"selector must be a specselect Selector, got {type(selector).__name__}")
     slots = check_int("slots", slots, minimum=1)
-    cost_model = default_cost_model() if cost_model is None else cost_model
+    cost_model = default_cost_model() if cost_model is None else _check_cost_model(cost_model)
     n, length = traces.num_requests, traces.max_new_tokens
     selector.reset()
 

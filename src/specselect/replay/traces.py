@@ -91,6 +91,8 @@ class Traces:
         check_integer_tensor("draft_tokens", self.draft_tokens, rank=3, what="of token ids")
         check_tensor("draft_logprobs", self.draft_logprobs, rank=3)
         n, length = self.output_ids.shape
+        if n == 0:  # a replay of nothing would report zeros as if they were measured
+            raise ValueError("traces must hold at least one request, got 0")
         if length == 0:
             raise ValueError("output_ids must hold at least one new token per request, got 0")
         if self.draft_tokens.shape[:2] != (n, length):
