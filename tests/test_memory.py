@@ -21,8 +21,8 @@ import specselect.profiling
 from hf_models import ARCHS, MORE_ARCHS, left_padded_prompts, tiny_model
 from specselect import make_selector
 from specselect.cost import CostModel
+from specselect.hf import TreeSpec, speculative_generate
 from specselect.hf import memory as hf_memory
-from specselect.hf import speculative_generate
 from specselect.hf.compat import ModelHandle
 from specselect.hf.kv import ModelCache
 from specselect.hf.memory import (
@@ -223,6 +223,30 @@ def test_caches_beyond_the_memory_are_refused_before_any_forward(
     else:
         caller(*pair)
         assert set(forwards) == {"target", "draft"}
+
+
+@pytest.mark.parametrize("tree", [TreeSpec(3, 2, 2), TreeSpec(10, 8, 4096)], ids=["small", "huge"])
+def test_a_tree_step_s_mask_counts(
+    monkeypatch: pytest.MonkeyPatch,
+    pair: tuple[nn.Module, nn.Module],
+    forwards: list[str],
+    tree: TreeSpec,
+) -> None:
+    """A tree of thousands of nodes per row needs a verify mask of nodes by cache columns:
+    refused before any forward (it used to draft for minutes, then fail to allocate), where
+    a small tree runs in the same memory."""
+    set_available(monkeypatch, 1 << 30)
+    ids, mask = left_padded_prompts(2, 2, 6, VOCAB, 0)
+    run = lambda: speculative_generate(  # noqa: E731
+        *pair, ids, mask, selector=make_selector("tetris", k=2), max_new_tokens=4, tree=tree
+    )
+    if tree.num_nodes < 100:
+        run()
+        assert set(forwards) == {"target", "draft"}
+        return
+    with pytest.raises(ValueError, match=rf"\+ {tree.num_nodes + tree.fed_nodes() + 2} for a step"):
+        run()
+    assert forwards == []
 
 
 @pytest.mark.usefixtures("planted_timings")

@@ -686,12 +686,18 @@ class _Loop:
     def _check_memory(self, layout: Layout, prompt: int) -> None:
         """Refuse caches that cannot fit before allocating them (:mod:`specselect.hf.memory`).
 
-        The prefill's mask is the widest: ``prompt - 1`` tokens over the whole capacity in
-        graph mode, over at least as many columns eagerly.
+        The widest mask is the prefill's (``prompt - 1`` tokens over the whole capacity in
+        graph mode, over at least as many columns eagerly) or a tree step's (its root and
+        nodes over the whole capacity; the draft's ancestor table of a tree, nodes by nodes,
+        is no larger): a tree spec of thousands of nodes must be refused here, not after
+        minutes of drafting.
         """
-        span = layout.capacity if self.mode != "eager" else prompt - 1
+        passes = [(prompt - 1, layout.capacity if self.mode != "eager" else prompt - 1)]
+        if self.tree is not None:
+            passes.append((1 + self.tree.num_nodes, layout.capacity))
+        width, span = max(passes, key=lambda tokens_span: tokens_span[0] * tokens_span[1])
         needs = [
-            CacheNeed(handle, layout.slots, layout.capacity, prompt - 1, span)
+            CacheNeed(handle, layout.slots, layout.capacity, width, span)
             for handle in (self.target, self.draft)
             if handle is not None
         ]
