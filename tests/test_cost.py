@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import nnls
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import plant_timings
 from hf_models import tiny_model
@@ -702,6 +703,8 @@ BAD_MEASURE = [
     ({"dtype": "float32"}, TypeError, "dtype must be a floating torch.dtype"),
     ({"note": 3}, TypeError, "note must be a str"),
     ({"statistic": "mean"}, ValueError, "statistic must be one of median, min, got 'mean'"),
+    ({"device": "nope"}, ValueError, "device 'nope' is not a torch device"),
+    ({"device": "meta"}, ValueError, "device 'meta': meta tensors hold no values"),
 ]
 
 
@@ -711,6 +714,18 @@ def test_measure_rejects_bad_input_before_timing(
 ) -> None:
     with pytest.raises(error, match=re_escape(says)):
         CostModel.measure(*tiny_pair, progress=False, **{**MEASURE_GRID, **change})
+
+
+def test_measure_names_its_own_arguments_when_a_context_does_not_fit() -> None:
+    """A learned position table too short for the grid: the message names contexts and
+    widths (it used to say to shorten a prompt and lower max_new_tokens, which measure lacks)."""
+    config = GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32, eos_token_id=0
+    )
+    target = GPT2LMHeadModel(config).eval()
+    says = "the largest context plus the widest verify pass needs 104: lower contexts or widths"
+    with pytest.raises(ValueError, match=re_escape(says)):
+        CostModel.measure(target, None, progress=False, **{**MEASURE_GRID, "contexts": (0, 100)})
 
 
 def test_measure_rejects_what_is_not_a_model() -> None:

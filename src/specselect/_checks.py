@@ -260,3 +260,47 @@ def check_implies(name: str, t: Tensor, implied_name: str, implied: Tensor) -> N
         raise ValueError(
             f"{name} must imply {implied_name}: {name} is set where {implied_name} is not"
         )
+
+
+def check_usable_device(name: str, device: object) -> torch.device:
+    """``device`` as a ``torch.device`` this torch can use, or a ``ValueError`` naming ``name``
+    (torch itself asserts, or fails deep inside a model move, on a device it lacks).
+
+    A device type without a special case here is tried by its backend's ``is_available()``
+    and a one-element move, as models are moved: that raises for a type this build does not
+    support (``xla`` without torch_xla)."""
+    use_cpu = f"use {name} cpu" if name.startswith("--") else f"use {name}='cpu'"
+    try:
+        parsed = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(
+            f"{name} {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)"
+        ) from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"{name} {device!r}: CUDA is not available (this torch {torch.__version__} has "
+                f"no CUDA support or sees no GPU); {use_cpu}"
+            )
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{name} {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible"
+            )
+    elif parsed.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"{name} {device!r}: MPS is not available; {use_cpu}")
+    elif parsed.type == "meta":
+        raise ValueError(
+            f"{name} {device!r}: meta tensors hold no values, so no model can run on it; {use_cpu}"
+        )
+    elif parsed.type != "cpu":
+        backend = getattr(torch, parsed.type, None)
+        is_available = getattr(backend, "is_available", None)
+        if callable(is_available) and not is_available():
+            raise ValueError(f"{name} {device!r}: {parsed.type} is not available; {use_cpu}")
+        try:
+            torch.zeros(1).to(parsed)  # [1]
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ValueError(f"{name} {device!r} is not usable ({reason}); {use_cpu}") from None
+    return parsed

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from specselect import __version__
+from specselect._checks import check_usable_device
 from specselect.cost import CostFileError, CostModel, default_cost_model
 from specselect.replay import (
     OracleSelector,
@@ -529,49 +530,9 @@ def _check_model_dir(option: str, path: Path) -> None:
 def check_device(device: str) -> None:
     """``--device`` names a device this torch can use (torch asserts, with a traceback, if not)."""
     try:
-        parsed = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise UsageError(
-            f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)"
-        ) from None
-    if parsed.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(
-                f"--device {device!r}: CUDA is not available (this torch "
-                f"{torch.__version__} has no CUDA support or sees no GPU); use --device cpu"
-            )
-        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise UsageError(
-                f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible"
-            )
-    elif parsed.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise UsageError(f"--device {device!r}: MPS is not available; use --device cpu")
-    elif parsed.type == "meta":
-        raise UsageError(
-            f"--device {device!r}: meta tensors hold no values, so no model can run on it; "
-            "use --device cpu"
-        )
-    elif parsed.type != "cpu":
-        _check_other_device(device, parsed)
-
-
-def _check_other_device(device: str, parsed: torch.device) -> None:
-    """A device type this module has no special case for: its torch backend's
-    ``is_available()`` when it has one, then a one-element move there, as the models are
-    moved, which raises for a type this torch build does not support (``xla`` without
-    torch_xla)."""
-    backend = getattr(torch, parsed.type, None)
-    is_available = getattr(backend, "is_available", None)
-    if callable(is_available) and not is_available():
-        raise UsageError(f"--device {device!r}: {parsed.type} is not available; use --device cpu")
-    try:
-        torch.zeros(1).to(parsed)  # [1]
-    except (RuntimeError, AssertionError, ValueError) as exc:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UsageError(
-            f"--device {device!r} is not usable ({reason}); use --device cpu"
-        ) from None
+        check_usable_device("--device", device)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def load_inputs(args: argparse.Namespace) -> Inputs:

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specselect._checks import check_int
+from specselect._checks import check_int, check_usable_device
 from specselect.cost import STATISTICS, CostModel, CostSample, CostSource, PassCost, _fit_kind
 
 if TYPE_CHECKING:
@@ -145,7 +145,13 @@ def _prepared(
         _move(model, device, dtype)
     handles = {name: ModelHandle.of(name, model) for name, model in models.items()}
     for name, handle in handles.items():
-        check_context_fits(name, handle, max(contexts) + max(widths))
+        check_context_fits(
+            name,
+            handle,
+            max(contexts) + max(widths),
+            "the largest context plus the widest verify pass",
+            "lower contexts or widths",
+        )
     check_memory(
         _memory_needs(handles, batches, widths, max(contexts)),
         f"profiling at context {max(contexts)} with batch sizes {batches} (the caches of "
@@ -410,7 +416,7 @@ def _move(model: torch.nn.Module, device: str | torch.device | None, dtype: obje
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
     if device is not None:
-        model.to(torch.device(device))
+        model.to(check_usable_device("device", device))
     if dtype is not None:
         model.to(dtype)
 

@@ -104,9 +104,16 @@ def sliding_window(model: nn.Module) -> int | None:
     return int(window)
 
 
-def check_context_fits(name: str, handle: ModelHandle, longest: int) -> None:
+def check_context_fits(
+    name: str,
+    handle: ModelHandle,
+    longest: int,
+    needs: str = "the longest prompt plus max_new_tokens",
+    lower: str = "shorten the prompt or lower max_new_tokens",
+) -> None:
     """Raise if a row of ``longest`` tokens (prompt + new tokens) exceeds what the model of
-    ``handle`` serves.
+    ``handle`` serves; ``needs`` says where ``longest`` comes from and ``lower`` what the
+    caller can change, for the message.
 
     Two limits: a learned table of absolute positions (GPT-2's ``n_positions``, OPT's
     ``max_position_embeddings``) cannot embed positions past its end, and a sliding window
@@ -118,15 +125,14 @@ def check_context_fits(name: str, handle: ModelHandle, longest: int) -> None:
     if limit is not None and longest > limit:
         raise ValueError(
             f"{name} embeds at most {limit} positions (learned absolute position embeddings), "
-            f"but the longest prompt plus max_new_tokens needs {longest}: shorten the prompt or "
-            "lower max_new_tokens"
+            f"but {needs} needs {longest}: {lower}"
         )
     window = sliding_window(handle.model)
     if window is not None and longest > window:
         raise ValueError(
             f"{name} uses sliding-window attention (window {window}); the loop attends with "
-            f"full masks, so a row must stay within the window, and the longest prompt plus "
-            f"max_new_tokens needs {longest}"
+            f"full masks, so a row must stay within the window, and {needs} needs {longest}: "
+            f"{lower}"
         )
 
 
