@@ -452,3 +452,15 @@ def test_a_mask_that_cannot_be_inferred_warns(models) -> None:
         call(models, eos_token_id=0)
         call(models, attention_mask=None)
         call(models, input_ids=ids[:1, -2:], attention_mask=None, eos_token_id=0)
+
+
+def test_prompt_ids_beyond_the_tokenizer_are_refused(models) -> None:
+    """With ``tokenizer=``, the shared vocabulary is the tokenizer's: an id beyond it names
+    a padding row, which the narrower model would see as a stand-in token (it was accepted)."""
+    ids, mask = left_padded_prompts(4, 2, 6, VOCAB, 0)
+    ids = ids.clamp(max=VOCAB - 9)  # within the tokenizer, but for the id set below
+    ids[0, -1] = VOCAB - 4
+    with pytest.raises(ValueError, match=rf"input_ids must be token ids in \[0, {VOCAB - 8}\)"):
+        call(models, input_ids=ids, attention_mask=mask, tokenizer=range(VOCAB - 8))
+    ids[0, -1] = VOCAB - 9
+    call(models, input_ids=ids, attention_mask=mask, tokenizer=range(VOCAB - 8))

@@ -164,7 +164,8 @@ def speculative_generate(
             defaults; explicit arguments override all of them.
         progress: show a tqdm bar of generated tokens.
         tokenizer: only needed when the models' vocabulary sizes differ (padding rows): its
-            ``len()`` is the shared vocabulary both must cover.
+            ``len()`` is the shared vocabulary both must cover, and prompt ids must be below
+            it.
         cache_slack: cache columns per row beyond ``prompt + max_new_tokens``; the caches are
             compacted when a step would not fit, so more slack means fewer compactions.
         tree: draft a tree per row instead of a chain (:class:`~specselect.TreeSpec`), at
@@ -186,7 +187,7 @@ def speculative_generate(
     Returns:
         :class:`SpeculativeOutput` with ``sequences`` and :class:`GenerationStats`.
     """
-    t_handle, d_handle = _checked_models(target, draft, selector, tokenizer)
+    t_handle, d_handle, vocab = _checked_models(target, draft, selector, tokenizer)
     cache_slack = check_int("cache_slack", cache_slack)
     limit = None if slots is None else check_int("slots", slots, minimum=1)
     check_tree_mode(tree, selector)
@@ -203,12 +204,10 @@ def speculative_generate(
         pad_token_id=pad_token_id,
     )
     input_ids, attention_mask = check_prompts(
-        input_ids, attention_mask, t_handle, options.mask_pad_token_id
+        input_ids, attention_mask, t_handle, options.mask_pad_token_id, vocab
     )
-    if tree is not None and tree.branch > t_handle.vocab:
-        raise ValueError(
-            f"TreeSpec.branch ({tree.branch}) exceeds the vocabulary size ({t_handle.vocab})"
-        )
+    if tree is not None and tree.branch > vocab:
+        raise ValueError(f"TreeSpec.branch ({tree.branch}) exceeds the vocabulary size ({vocab})")
     longest = int(attention_mask.sum(dim=1).max()) + options.max_new_tokens
     for name, handle in (("target", t_handle), ("draft", d_handle)):
         if handle is not None:
@@ -247,9 +246,10 @@ def speculative_generate(
 
 def _checked_models(
     target: object, draft: object, selector: object, tokenizer: object
-) -> tuple[ModelHandle, ModelHandle | None]:
-    """The models' handles (the draft's only with a selector), after the checks that need
-    no prompt: the selector's kind, the tokenizer's type, the vocabulary the pair shares."""
+) -> tuple[ModelHandle, ModelHandle | None, int]:
+    """The models' handles (the draft's only with a selector) and the vocabulary size they
+    share (``len(tokenizer)`` where the pair's widths differ by padding rows), after the checks
+    that need no prompt: the selector's kind, the tokenizer's type, the shared vocabulary."""
     if selector is not None and not isinstance(selector, Selector):
         raise TypeError(
             f"selector must be a specselect Selector or None, got {type(selector).__name__}"
@@ -267,9 +267,10 @@ def _checked_models(
             "tokenizer must be a tokenizer (or any object with a len(): the shared vocabulary "
             f"size) or None, got {type(tokenizer).__name__}"
         )
+    vocab = t_handle.vocab
     if d_handle is not None:
-        check_pair(t_handle.model, d_handle.model, tokenizer)
-    return t_handle, d_handle
+        vocab = check_pair(t_handle.model, d_handle.model, tokenizer)
+    return t_handle, d_handle, vocab
 
 
 def graph_mode(
@@ -341,8 +342,11 @@ def check_prompts(
     attention_mask: object,
     target: ModelHandle,
     mask_pad_token_id: int | None = None,
+    vocab: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Validate the prompts; return them on the target's device (mask as int64).
+    """Validate the prompts; return them on the target's device (mask as int64). Token ids
+    must be below ``vocab``, the pair's shared vocabulary (default: the target's width): an id
+    of a padding row only one model has would reach the other as a stand-in token.
 
     Without ``attention_mask`` the mask is ``input_ids != mask_pad_token_id``, as ``generate``
     infers it (it does so when the pad id is set and is not an EOS id), else all ones. Value
@@ -389,8 +393,9 @@ def check_prompts(
     ids, mask = ids.to(target.device, torch.int64), mask.to(target.device, torch.int64)
     if not bool(mask[:, -1].all()):
         raise ValueError(_unpadded_reason(mask, mask_pad_token_id if inferred else None))
-    if not bool(((ids >= 0) & (ids < target.vocab)).all()):
-        raise ValueError(f"input_ids must be token ids in [0, {target.vocab})")
+    vocab = target.vocab if vocab is None else vocab
+    if not bool(((ids >= 0) & (ids < vocab)).all()):
+        raise ValueError(f"input_ids must be token ids in [0, {vocab})")
     return ids, mask
 
 
