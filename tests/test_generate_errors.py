@@ -464,3 +464,13 @@ def test_prompt_ids_beyond_the_tokenizer_are_refused(models) -> None:
         call(models, input_ids=ids, attention_mask=mask, tokenizer=range(VOCAB - 8))
     ids[0, -1] = VOCAB - 9
     call(models, input_ids=ids, attention_mask=mask, tokenizer=range(VOCAB - 8))
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_a_model_without_weights_is_refused(which: str) -> None:
+    """Meta weights failed deep inside the first pass (a .item() or a copy out of meta)."""
+    target, draft = tiny_pair("llama", 0, noise=0.02)
+    models = {"target": target, "draft": draft}
+    models[which] = models[which].to("meta")
+    with pytest.raises(ValueError, match=f"{which} has weights on the meta device"):
+        call((models["target"], models["draft"]))

@@ -79,6 +79,12 @@ def check_causal_lm(name: str, model: object) -> nn.Module:
             f"{name} has layers of type {', '.join(unsupported)}; only attention layers can skip "
             "rejected tokens by masking (recurrent states cannot be rolled back)"
         )
+    if any(p.is_meta for p in model.parameters()):  # it would fail deep inside a first pass
+        raise ValueError(
+            f"{name} has weights on the meta device (no values: e.g. built under "
+            "torch.device('meta') or from_pretrained(..., device_map='meta')); load its weights "
+            "first"
+        )
     return model
 
 
