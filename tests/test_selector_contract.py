@@ -336,7 +336,8 @@ def test_update_takes_one_feedback_per_select(name: str) -> None:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_update_answers_a_select(name: str) -> None:
     """Feedback without a select since the last reset would be lost (nothing knows what was
-    drafted): an error, where it used to be ignored."""
+    drafted), and the selection of an earlier step learned against the last step's draft:
+    errors, where they used to pass."""
     selector = make(name)
     feedback = Selection.from_lengths(torch.ones(BATCH, dtype=torch.int64), 3)
     with pytest.raises(ValueError, match=r"update answers a select\(\)"):
@@ -345,6 +346,10 @@ def test_update_answers_a_select(name: str) -> None:
     selector.reset()
     with pytest.raises(ValueError, match=r"update answers a select\(\)"):
         selector.update(selection, selection.lengths)
+    stale = selector.select(drafted(selector, seed=1))
+    selector.select(drafted(selector, seed=2))
+    with pytest.raises(ValueError, match=r"the selection of an earlier select\(\)"):
+        selector.update(stale, stale.lengths)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -14,6 +14,7 @@ import abc
 import inspect
 import itertools
 import warnings
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -58,6 +59,8 @@ class _LastSelect:
     parents: Tensor | None  # [B, N] for a tree selection
     positions: Tensor | None  # [B, N] depth - 1 of each node, for a tree selection
     features: Tensor | None  # [B, K, F] per-token features the estimator read
+    returned: weakref.ref[Selection] | None = None  # what that select returned
+    earlier: weakref.ref[Selection] | None = None  # what the select before it returned
 
 
 @dataclass(frozen=True)
@@ -292,7 +295,12 @@ class Selector(abc.ABC):
             selection = Selection(scores.new_zeros(rows, dtype=torch.int64), scores > 0)
         else:
             scores, selection = self._rank(draft_logprobs, active, parents, positions, features)
-        self._last = _LastSelect(draft_logprobs, scores, parents, positions, features)
+        # Weak references: they only recognise a stale answer, and must keep nothing alive.
+        earlier = None if self._last is None else self._last.returned
+        returned = weakref.ref(selection)
+        self._last = _LastSelect(
+            draft_logprobs, scores, parents, positions, features, returned, earlier
+        )
         self._answered = False
         return selection
 
@@ -387,6 +395,11 @@ class Selector(abc.ABC):
             raise ValueError(
                 f"{type(self).__name__}.update answers a select(): call select() first (a new "
                 "selector, or one after reset(), has no step to learn from)"
+            )
+        if last.earlier is not None and last.earlier() is selection:
+            raise ValueError(
+                f"{type(self).__name__}.update got the selection of an earlier select(), not of "
+                "the last one: it would be learned against the last step's draft"
             )
         seen, mask = last.logprobs, selection.mask
         if mask.shape != seen.shape or mask.device != seen.device:
