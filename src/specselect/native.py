@@ -4,11 +4,12 @@ On a CPU, PyTorch pays a few microseconds of dispatch per operator and has no fu
 "the ``C`` cheapest entries of a matrix", so :func:`~specselect.topc.cheapest_mask` costs
 about eight tensor passes and a ``kthvalue``. ``_native/cheapest.c`` does the same selection
 in a few passes (integer keys, a radix select, the mask and per-row counts): at ``B = 1024,
-K = 16`` on one CPU thread the paper's TETRIS ``select`` (argument checks included) takes about
-90 µs with it and 250 µs without, against about 230 µs for the plain PyTorch formulation
-``cumsum → topk(C, sorted=False) → count`` (about 1 ms with a sorted ``topk``), so about 2.5x
-faster than the fastest direct formulation (``python benchmarks/bench_selectors.py --devices
-cpu --batches 1024 --windows 16 --threads 1``).
+K = 16`` on one CPU thread the paper's TETRIS ``select`` (argument checks included) took a
+median 77 µs with it and 201 µs without, against 173 µs for the plain PyTorch formulation
+``cumsum → topk(C, sorted=False) → count`` (950 µs with a sorted ``topk``), so about 2.2x
+faster than the fastest direct formulation (``python benchmarks/bench_selectors.py --threads
+1``; the speed table of the selectors guide, ``docs/selectors.md``, lists these and smaller
+batches).
 
 It is plain C99 with no Python or torch headers, so it needs only a C compiler (``$CC``, else
 the one Python was built with, else ``cc``) and compiles in well under a second the first time

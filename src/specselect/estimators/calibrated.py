@@ -27,7 +27,9 @@ class CalibratedDraft(AcceptanceEstimator):
     moves to the observed rate as evidence arrives. The estimate is deliberately *not* forced to
     increase with ``q``: on the shipped pair acceptance is not monotone in the draft's
     confidence (tokens drafted at q ~ 0.05 are accepted more often than tokens at q ~ 0.15), and
-    an isotonic fit measured a calibration error of 0.23 against 0.08 for plain bins.
+    an isotonic fit (a running maximum over the bins) measured a calibration error of 0.23
+    against 0.07 for plain bins (the ECE in the report of ``specselect compare --selectors
+    tetris+calibrated``, at ``k = 4``, ``extra = 3``).
 
     State lives in tensors allocated on the first call and then only updated in place (a CUDA
     graph that captured a step keeps reading the same buffers); constants such as the prior's
