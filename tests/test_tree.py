@@ -44,6 +44,15 @@ def test_buffers_match_parent_walk(parents: torch.Tensor) -> None:
             assert torch.equal(buffers.ancestors[i, j], expected)
 
 
+def test_max_depth_is_the_static_bound_n() -> None:
+    """``paths``' last dimension is ``N`` whatever the trees' shape (no value-dependent shape),
+    and ``max_depth`` reports that bound, not the deepest node's depth."""
+    buffers = build_tree_buffers(torch.tensor([[-1, 0, 0, 1]]))
+    assert buffers.paths.shape == (1, 4, 4)
+    assert buffers.max_depth == 4
+    assert int(buffers.depth.max()) == 3
+
+
 @settings(max_examples=40, deadline=None)
 @given(forests(), st.randoms(use_true_random=False))
 def test_path_scores_sum_logprobs_along_the_path(parents: torch.Tensor, rnd) -> None:

@@ -18,7 +18,9 @@ a few named buffers (the same idea as Medusa's tree buffers, batched and per req
 * ``depth [B, N]`` int64 — 1 for children of the root; position id of a node = root position +
   depth;
 * ``paths [B, N, D]`` int64 — the root-to-node path of every node (node indices by depth,
-  ``-1`` beyond the node's depth), used to read out the accepted path.
+  ``-1`` beyond the node's depth), used to read out the accepted path. ``D = N``: the deepest
+  a tree of ``N`` nodes can be (a chain), a static bound, so that no shape depends on the
+  trees' values and nothing is read back to the host.
 """
 
 from __future__ import annotations
@@ -107,10 +109,13 @@ class TreeBuffers:
     parents: Tensor  # [B, N] int64, -1 = child of the root
     ancestors: Tensor  # [B, N, N] bool, ancestor-or-self
     depth: Tensor  # [B, N] int64, >= 1
-    paths: Tensor  # [B, N, D] int64, -1 padded
+    paths: Tensor  # [B, N, D] int64, -1 padded; D = N
 
     @property
     def max_depth(self) -> int:
+        """``D``, the last dimension of :attr:`paths`: the static bound ``N`` on any node's
+        depth, not the depth of the deepest node (for ``parents [[-1, 0, 0, 1]]`` it is 4, the
+        deepest node being at depth 3; that one is ``int(depth.max())``, a host read)."""
         return self.paths.shape[2]
 
     def attention_mask(self) -> Tensor:

@@ -50,7 +50,21 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class DraftChain:
-    """The tokens drafted in one step, with what selection and verification need."""
+    """The tokens drafted in one step, with what selection and verification need.
+
+    ``B`` is the step's rows (inactive ones are drafted from holes, and nothing selects their
+    tokens), ``k`` the draft passes, ``V`` the target's logit width (draft logits are aligned
+    to it).
+
+    Attributes:
+        tokens: ``[B, k]`` int64, the drafted token at each position.
+        logprobs: ``[B, k]`` float32 or wider, ``log q`` of each drafted token: greedy, the
+            draft's unprocessed log-softmax; sampling, the log of the processed ``q`` it was
+            drawn from.
+        probs: ``[B, k, V]`` float32 or wider (the draft's dtype, at least float32), the
+            processed ``q`` at each position, which rejection sampling needs whole; ``None``
+            when greedy.
+    """
 
     tokens: Tensor  # [B, k] int64
     logprobs: Tensor  # [B, k] float32: log q of each drafted token

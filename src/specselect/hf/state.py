@@ -104,6 +104,8 @@ class PerStep(Sequence[Tensor]):
 class GenerationStats:
     """What happened during one ``speculative_generate`` call (metrics of docs/concepts.md).
 
+    ``steps`` holds one :class:`~specselect.metrics.StepCounts` per step (active rows,
+    verified, accepted and emitted tokens, the step's wall seconds); :attr:`totals` sums them.
     Per row: ``verified``/``accepted``/``emitted`` totals, ``generated`` new tokens in
     ``sequences``, ``row_steps`` steps the row was active, consecutive ones from step
     ``first_step`` (0 unless the row waited for a slot). Per step and row,
@@ -123,8 +125,11 @@ class GenerationStats:
     end) and wall times on a CPU; ``prefill_seconds`` is the first rows' prompt pass.
     ``cache_widths`` holds the columns in use in each model's cache after each step,
     ``draft_depths`` each step's draft length (a tree's depth; 0 for a plain step);
-    ``compactions`` counts cache compactions and ``captures`` the graphs captured (0 in eager
-    mode).
+    ``compactions`` counts cache compactions (both models). ``mode`` is how the stages ran at
+    the end of the call: ``"eager"``, ``"cuda"`` (CUDA graphs) or ``"trace"`` (graph mode
+    emulated on a CPU, :func:`~specselect.hf.emulate_on_cpu`); ``"eager"`` also after a failed
+    capture made a graph-mode call go on eagerly. ``captures`` counts the graphs this call
+    captured (0 in eager mode).
     """
 
     steps: list[StepCounts] = field(default_factory=list)

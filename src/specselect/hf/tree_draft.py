@@ -39,7 +39,31 @@ from specselect.tree import TreeSpec, path_sums
 
 @dataclass(frozen=True)
 class DraftTree:
-    """One step's draft trees, one per row, nodes level by level (parents come first)."""
+    """One step's draft trees, one per row, nodes level by level (parents come first).
+
+    ``B`` is the step's rows (inactive ones are drafted from holes), ``N`` the nodes per row
+    (:meth:`~specselect.tree.TreeSpec.level_sizes` summed), ``V`` the target's logit width
+    and ``T`` the frontier nodes fed to the draft in the step
+    (:meth:`~specselect.tree.TreeSpec.fed_nodes`). Every row has the same nodes per level;
+    which nodes each row expands, and so ``parents``, differ.
+
+    Attributes:
+        tokens: ``[B, N]`` int64, each node's token.
+        logprobs: ``[B, N]`` float32 or wider, ``log q`` of each node's token under its
+            parent's ``q`` (greedy: the unprocessed log-softmax; sampling: the processed
+            ``q``).
+        parents: ``[B, N]`` int64, the parent's node index, ``-1`` for children of the root.
+        depth: ``[B, N]`` int64, each node's level, ``>= 1`` (the same in every row).
+        probs: ``[B, N + 1, V]`` float32 or wider (the draft's dtype, at least float32), the
+            processed ``q`` after the root (column 0) and after node ``j`` (column ``j + 1``),
+            zero for nodes that were not fed; ``None`` when greedy.
+        fed: ``[B, N]`` bool, the node was fed to the draft (a frontier node): its draft cache
+            entry exists, and its children were drafted from it.
+        fed_ids: ``[B, T]`` int64, the node fed in each draft cache column after the backlog,
+            frontier by frontier (what
+            :meth:`~specselect.hf.tree_draft.TreeDrafter.advance_tree` commits along the
+            accepted path).
+    """
 
     tokens: Tensor  # [B, N] int64
     logprobs: Tensor  # [B, N] float32: log q of each node's token under its parent's q

@@ -92,6 +92,13 @@ class ReplayResult:
             per-request totals; ``request_seconds``: ``[N]`` float64 modelled latency (from
             the request's first step to its last, queueing excluded).
         selector: ``repr`` of the selector.
+        reliability: ``[3, RELIABILITY_BINS]`` float64 per bin of predicted acceptance (the
+            ``exp`` of the selector's ``last_scores``, in ``RELIABILITY_BINS`` equal-width bins
+            over ``[0, 1]``) of the tokens the target tested: the sum of the predictions, the
+            accepted tokens and the tested tokens; ``None`` when the selector exposed no scores
+            or the target tested no token. :meth:`calibration` reads it per bin.
+
+    :attr:`totals` gives the run's metrics (:class:`~specselect.metrics.Totals` of ``steps``).
     """
 
     steps: list[StepCounts]

@@ -37,7 +37,10 @@ class ResultRow:
         totals: the run's totals (``seconds`` modelled in replay, measured in live runs).
         goodput_kind: :data:`MODELLED` or :data:`MEASURED`.
         calibration: reliability-diagram bins of the scores the selector ranked, as
-            ``{"predicted", "observed", "tokens"}`` (see ``ReplayResult.calibration``).
+            ``{"predicted", "observed", "tokens"}``: for a replayed row, what the method
+            ``ReplayResult.calibration()`` returned
+            (:meth:`~specselect.replay.ReplayResult.calibration`); empty for a live row (a live
+            run keeps no scores).
         tree: the draft-tree shape of a live tree run; None for chains. A tree's shape, not
             ``extra``, sets what is drafted, so a tree row has no ``extra``.
     """
