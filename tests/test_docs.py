@@ -9,13 +9,19 @@ A block that cannot run as written (a fragment, or one that needs a GPU or a dow
 by an HTML comment on the line before its opening fence, ``<!-- no-run: why -->``; it is
 reported as skipped with that reason, never silently passed over. Blocks must stay fast on the
 shipped tiny pair: shrink a slow example in the doc rather than marking it.
+
+The API reference renders the docstrings, whose Sphinx roles (``:meth:`select```)
+``scripts/docs_roles.py`` turns into links or code for mkdocstrings; a wrong conversion does not
+fail the docs build (it shows or links the wrong name), so its conversion is tested here.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -121,3 +127,65 @@ def test_readme_table_excerpt_has_the_real_header() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     excerpt = readme.split("```text\n", 1)[1].splitlines()
     assert excerpt[:3] == table.splitlines()[:3]
+
+
+@pytest.fixture(scope="module")
+def docs_roles() -> ModuleType:
+    """``scripts/docs_roles.py`` (it imports griffe, which the dev extra's mkdocstrings brings)."""
+    spec = importlib.util.spec_from_file_location("docs_roles", ROOT / "scripts" / "docs_roles.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_roles_become_links_or_code(docs_roles: ModuleType) -> None:
+    """A resolved target links (optionally: autorefs shows the code alone if it is not rendered);
+    an unknown one is code. Shown as Sphinx shows it: ``~`` keeps the last name, a title wins."""
+    paths = {"CostModel.fit": "specselect.cost.CostModel.fit", "select": "specselect.S.select"}
+    paths["specselect.cost.CostModel"] = "specselect.cost.CostModel"
+
+    def convert(text: str) -> str:
+        return docs_roles.rst_to_markdown(text, paths.get)
+
+    fit = '<autoref identifier="specselect.cost.CostModel.fit" optional>`{}`</autoref>'
+    assert convert("See :meth:`CostModel.fit`.") == f"See {fit.format('CostModel.fit')}."
+    assert convert(":meth:`fitting it <CostModel.fit>`") == fit.format("fitting it")
+    assert convert(":class:`~specselect.cost.\n    CostModel`") == (
+        '<autoref identifier="specselect.cost.CostModel" optional>`CostModel`</autoref>'
+    )
+    assert convert(":py:meth:`select()`") == (
+        '<autoref identifier="specselect.S.select" optional>`select()`</autoref>'
+    )
+    assert convert(":func:`torch.topk`, :func:`~torch.topk`") == "`torch.topk`, `topk`"
+    assert convert(":meth:`!select`, ``select``") == "`select`, ``select``"
+
+
+def test_literal_block_markers(docs_roles: ModuleType) -> None:
+    """RST's ``text::`` shows as ``text:``; ``text ::`` and a lone ``::`` line show nothing."""
+
+    def convert(text: str) -> str:
+        return docs_roles.rst_to_markdown(text, lambda _: None)
+
+    assert convert("per row::\n\n    a + b\n") == "per row:\n\n    a + b\n"
+    assert convert("Example ::\n\n    a\n::\n\n    b") == "Example\n\n    a\n\n\n    b"
+    assert convert("x[::2] and a::b stay") == "x[::2] and a::b stay"
+
+
+def test_targets_resolve_like_names(docs_roles: ModuleType) -> None:
+    """A role's target resolves in its docstring's scope (members, inherited members, imports,
+    then the enclosing scopes), to the canonical path; a name outside the package does not."""
+    from griffe import temporary_visited_package
+
+    files = {
+        "__init__.py": "from pkg.base import Base\n",
+        "base.py": "import torch\nclass Base:\n    def step(self): ...\n",
+        "child.py": "from pkg import Base\nclass Child(Base):\n    def run(self): ...\n",
+    }
+    with temporary_visited_package("pkg", files) as pkg:
+        resolve = docs_roles.resolver(pkg["child.Child.run"], pkg)
+        assert resolve("step") == "pkg.base.Base.step"  # inherited, via two imports
+        assert resolve("Child.run") == "pkg.child.Child.run"
+        assert resolve("pkg.Base") == "pkg.base.Base"
+        assert resolve("missing") is None
+        assert docs_roles.resolver(pkg["base.Base"], pkg)("torch.topk") is None
