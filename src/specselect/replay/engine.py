@@ -15,7 +15,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from specselect._checks import check_int
+from specselect._checks import check_int, trusted_values
 from specselect.cost import CostModel, default_cost_model
 from specselect.estimators import observed_outcomes
 from specselect.metrics import StepCounts, Totals
@@ -205,7 +205,10 @@ def iter_replay(
             queued += int(new.sum())
         if not bool((requests >= 0).any()):
             return
-        step = _replay_step(traces, selector, requests, positions, cost_model, context, index)
+        # The selector's inputs come from checked traces: its value checks would only re-read
+        # them. Only around the step: a generator must not leave the caller's checks off.
+        with trusted_values():
+            step = _replay_step(traces, selector, requests, positions, cost_model, context, index)
         yield step
         positions += torch.where(step.active, step.accepted + 1, 0)
         finished = step.active & (positions >= length)
