@@ -518,13 +518,25 @@ def test_replay_rejects_selector_breaking_the_contract(random_run_traces: Traces
         (("not traces", FixedWindowSelector(1), 2), TypeError, "traces"),
         ((None, "fixed", 2), TypeError, "selector"),
         ((None, FixedWindowSelector(1), 0), ValueError, "slots"),
-        ((None, FixedWindowSelector(1), 2, "cost.json"), TypeError, "cost_model must be"),
+        ((None, FixedWindowSelector(1), 2, "cost.json"), TypeError, "cost_model must have"),
     ],
 )
 def test_replay_bad_arguments(random_run_traces: Traces, args: tuple, error: type, match: str):
     traces, selector, slots, *cost_model = args
     with pytest.raises(error, match=match):
         replay(random_run_traces if traces is None else traces, selector, slots, *cost_model)
+
+
+class FlatSteps:
+    """Not a CostModel: just the step_time replay prices steps with."""
+
+    def step_time(self, active: int, window: int, verified: int, context: float) -> float:
+        return 0.01
+
+
+def test_replay_prices_steps_with_any_step_time(random_run_traces: Traces) -> None:
+    result = replay(random_run_traces, FixedWindowSelector(2), 4, cost_model=FlatSteps())
+    assert result.totals.seconds == pytest.approx(0.01 * result.totals.steps)
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import copy
 import inspect
 import itertools
 import math
+import pickle
 import threading
 
 import pytest
@@ -23,7 +24,7 @@ from conftest import OneDevicePerOp, random_logprobs
 from specselect import make_selector
 from specselect._checks import trusted_values
 from specselect.estimators import AcceptanceEstimator
-from specselect.selection import Selection, Selector
+from specselect.selection import Selection, Selector, prefix_mask
 from specselect.selectors import SELECTORS
 from specselect.tree import available_nodes, chain_parents
 
@@ -350,6 +351,45 @@ def test_update_answers_a_select(name: str) -> None:
     selector.select(drafted(selector, seed=2))
     with pytest.raises(ValueError, match=r"the selection of an earlier select\(\)"):
         selector.update(stale, stale.lengths)
+
+
+class OneAnswer(Selector):
+    """Fills and returns one Selection every step, as a selector with static output buffers
+    (for CUDA graphs) may: its answer is always the last select's, never a stale one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = Selection.from_lengths(torch.zeros(BATCH, dtype=torch.int64), 3)
+
+    def draft_length(self, num_active: int) -> int:
+        return 3
+
+    def _select(self, draft_logprobs: torch.Tensor, active: torch.Tensor | None) -> Selection:
+        self.answer.lengths.fill_(1)
+        self.answer.mask.copy_(prefix_mask(self.answer.lengths, 3))
+        return self.answer
+
+
+def test_update_takes_an_answer_object_reused_every_step() -> None:
+    selector = OneAnswer()
+    for seed in range(3):
+        selection = selector.select(random_logprobs(BATCH, 3, seed=seed))
+        selector.update(selection, selection.lengths)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_selector_pickles_with_what_it_learned(name: str) -> None:
+    """Saved or sent to another process after some steps (the record of the last select keeps
+    weak references, which do not pickle), it selects as the original does."""
+    selector = make(name)
+    for seed in range(3):
+        selection = selector.select(drafted(selector, seed=seed))
+        accepted = accepted_for(selection, seed)
+        selector.update(selection, accepted)
+        observe(selector, selection, accepted, None)
+    copy_ = pickle.loads(pickle.dumps(selector))
+    probe = drafted(selector, seed=9)
+    assert torch.equal(copy_.select(probe).mask, selector.select(probe).mask)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

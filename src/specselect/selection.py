@@ -62,6 +62,21 @@ class _LastSelect:
     returned: weakref.ref[Selection] | None = None  # what that select returned
     earlier: weakref.ref[Selection] | None = None  # what the select before it returned
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Without the weak references, which cannot be pickled (a pickled selector keeps what
+        it learned; only the check for a stale answer starts afresh)."""
+        return {**self.__dict__, "returned": None, "earlier": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def answered_before(self, selection: Selection) -> bool:
+        """Whether ``selection`` is the answer of the select before this one (and not also of
+        this one: a selector may fill and return one object every step)."""
+        earlier = None if self.earlier is None else self.earlier()
+        returned = None if self.returned is None else self.returned()
+        return earlier is selection and returned is not selection
+
 
 @dataclass(frozen=True)
 class Outcomes:
@@ -396,7 +411,7 @@ class Selector(abc.ABC):
                 f"{type(self).__name__}.update answers a select(): call select() first (a new "
                 "selector, or one after reset(), has no step to learn from)"
             )
-        if last.earlier is not None and last.earlier() is selection:
+        if last.answered_before(selection):
             raise ValueError(
                 f"{type(self).__name__}.update got the selection of an earlier select(), not of "
                 "the last one: it would be learned against the last step's draft"
@@ -489,7 +504,10 @@ class Selector(abc.ABC):
                 accepted more than it verified, or its deepest depth is not between what it
                 accepted and what it verified (at least 1 where it verified anything), or
                 ``deepest`` is missing after a tree selection, or ``active`` does not mark one
-                row per entry.
+                row per entry, or there are more entries than the last :meth:`select` had rows,
+                or a row verified more than it drafted. Inside
+                :func:`~specselect._checks.trusted_values` (a loop's own read-back) nothing is
+                checked.
         """
         if values_trusted():  # a loop's own read-back, every step: no need to check it
             tested = _trusted_list(verified)

@@ -81,9 +81,9 @@ def check_causal_lm(name: str, model: object) -> nn.Module:
         )
     if any(p.is_meta for p in model.parameters()):  # it would fail deep inside a first pass
         raise ValueError(
-            f"{name} has weights on the meta device (no values: e.g. built under "
-            "torch.device('meta') or from_pretrained(..., device_map='meta')); load its weights "
-            "first"
+            f"{name} has weights on the meta device (no values: built under "
+            "torch.device('meta'), or offloaded by accelerate, which the loop does not "
+            "support); load its weights onto one device first"
         )
     return model
 

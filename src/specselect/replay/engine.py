@@ -138,12 +138,14 @@ def _check_traces(traces: object) -> Traces:
 
 
 def _check_cost_model(cost_model: object) -> CostModel:
-    if not isinstance(cost_model, CostModel):  # it prices steps: step_time, not just two passes
+    """Anything that prices a step (``step_time``), as a :class:`~specselect.cost.CostModel`
+    does: replay needs no more of it."""
+    if not callable(getattr(cost_model, "step_time", None)):
         raise TypeError(
-            f"cost_model must be a specselect.cost.CostModel or None, got "
-            f"{type(cost_model).__name__}"
+            "cost_model must have a step_time(active, K, verified, context) method (a "
+            f"specselect.cost.CostModel) or be None, got {type(cost_model).__name__}"
         )
-    return cost_model
+    return cost_model  # type: ignore[return-value]
 
 
 def _check_selection(selection: Selection, active: Tensor, window: int, selector: Selector) -> None:
@@ -345,7 +347,8 @@ def replay(
         selector: any :class:`~specselect.selection.Selector`; ``selector.reset()`` is called
             first. An :class:`OracleSelector` is handed the true runs each step.
         slots: batch slots.
-        cost_model: prices each step (``CostModel.step_time(active, K, verified, context)``);
+        cost_model: prices each step (``CostModel.step_time(active, K, verified, context)``;
+            any object with that method will do);
             None: :func:`~specselect.cost.default_cost_model` (the shipped pair on a CPU).
         context: context length for the cost model; None uses the mean context (prompt +
             emitted tokens) of the active requests at each step.
