@@ -312,6 +312,25 @@ class PerRowBonus(AcceptanceEstimator):
         self.bonus = None
 
 
+class PositiveScores(AcceptanceEstimator):
+    """A third-party estimator that breaks its contract (estimates must be log-probabilities)."""
+
+    def estimate(
+        self,
+        draft_logprobs: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        features: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return draft_logprobs.exp()
+
+
+def test_an_estimate_that_is_no_log_probability_is_named_at_select() -> None:
+    """It used to fail only in update, with the guard's own argument name."""
+    selector = SELECTORS["tetris"](2, 1, estimator=PositiveScores())
+    with pytest.raises(ValueError, match=r"PositiveScores.estimate's output contains positive"):
+        selector.select(random_logprobs(4, 3, seed=0))
+
+
 def test_request_ids_of_a_new_batch_size_reset_an_estimator_without_reset_requests() -> None:
     """By default reset_requests forgets everything: safe for per-row state it cannot see."""
     selector = SELECTORS["tetris"](2, 1, estimator=PerRowBonus(), guard=False)

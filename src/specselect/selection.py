@@ -335,6 +335,9 @@ class Selector(abc.ABC):
             # they existed takes two arguments).
             given = () if features is None else (features,)
             scores = self.estimator.estimate(draft_logprobs, positions, *given)
+            # An estimator of one's own that breaks its contract is named here, not later in
+            # the guard's histograms.
+            check_logprobs(f"{type(self.estimator).__name__}.estimate's output", scores)
         if parents is None or positions is None:
             return scores, self._select(scores, active)
         return scores, self._select_tree(scores, active, parents, positions + 1)
