@@ -389,6 +389,103 @@ class OneAnswer(Selector):
         return self.answer
 
 
+class Broken(Selector):
+    """A selector of one's own whose answer breaks the contract in one way (``how``)."""
+
+    supports_trees = True
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def draft_length(self, num_active: int) -> int:
+        return 3
+
+    def _select(self, draft_logprobs: torch.Tensor, active: torch.Tensor | None) -> Selection:
+        rows, width = draft_logprobs.shape
+        lengths = torch.full((rows,), width, dtype=torch.int64)
+        if self.how == "too long":
+            return Selection(lengths + 2, prefix_mask(lengths, width))
+        if self.how == "not a prefix":
+            mask = torch.zeros(rows, width, dtype=torch.bool)
+            mask[:, 1] = True
+            return Selection(torch.ones(rows, dtype=torch.int64), mask)
+        if self.how == "int32":
+            return Selection(lengths.to(torch.int32), prefix_mask(lengths, width))
+        return Selection.from_lengths(lengths, width)  # everything: past -inf, inactive rows
+
+    def _select_tree(self, draft_logprobs, active, parents, depth) -> Selection:
+        mask = torch.zeros_like(draft_logprobs, dtype=torch.bool)
+        mask[:, -1] = True  # a deepest node without its ancestors
+        return Selection.from_mask(mask)
+
+
+@pytest.mark.parametrize(
+    ("how", "tree", "says"),
+    [
+        ("too long", False, "Broken selected a mask that is not a prefix of each row"),
+        ("not a prefix", False, "Broken selected a mask that is not a prefix of each row"),
+        ("int32", False, r"Broken selected lengths torch.int32 \(5,\)"),
+        ("everything", False, "Broken selected a token at or after a -inf"),
+        ("orphan", True, "Broken selected a mask that is not closed under ancestors"),
+    ],
+)
+def test_a_selector_s_broken_answer_is_named(how: str, tree: bool, says: str) -> None:
+    """select checks what _select returned (a loop clamped it silently, or verified a node
+    without its parent); the message names the selector."""
+    logprobs = torch.full((BATCH, 3), -0.5)
+    logprobs[0, 1] = -math.inf
+    parents = torch.tensor([[-1, 0, 1]] * BATCH) if tree else None
+    with pytest.raises(RuntimeError, match=says):
+        Broken(how).select(logprobs, parents=parents)
+
+
+def test_an_inactive_row_must_select_nothing() -> None:
+    with pytest.raises(RuntimeError, match="Broken selected tokens in an inactive row"):
+        Broken("everything").select(torch.full((BATCH, 3), -0.5), ACTIVE)
+
+
+class NoSuper(Selector):
+    def __init__(self) -> None:  # forgets super().__init__()
+        self.k = 2
+
+    def draft_length(self, num_active: int) -> int:
+        return self.k
+
+    def _select(self, draft_logprobs: torch.Tensor, active: torch.Tensor | None) -> Selection:
+        return Selection.from_lengths(torch.zeros(draft_logprobs.shape[0], dtype=torch.int64), 3)
+
+
+def test_a_selector_that_skips_super_init_is_told() -> None:
+    with pytest.raises(TypeError, match=r"NoSuper.__init__ must call super\(\).__init__\(\)"):
+        NoSuper().select(torch.full((BATCH, 3), -0.5))
+
+
+class Reshaping(AcceptanceEstimator):
+    """Estimates of another shape, or finite where the draft is -inf (``how``)."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def estimate(self, draft_logprobs, positions=None, features=None) -> torch.Tensor:
+        if self.how == "shape":
+            return draft_logprobs[:, :1]
+        return draft_logprobs.clamp(min=-30.0)
+
+
+@pytest.mark.parametrize(
+    ("how", "says"),
+    [("shape", r"has shape \(5, 1\), expected"), ("finite", "must stay -inf where")],
+)
+def test_an_estimate_of_another_shape_or_without_its_inf_is_refused(how: str, says: str) -> None:
+    """A [B, 1] estimate used to give a [B, 1] selection (update then blamed the batch), a
+    finite one for a -inf token let TETRIS select past it."""
+    logprobs = torch.tensor([[-0.1, -math.inf, -0.2]] * BATCH)
+    selector = SELECTORS["tetris"](2, 1, estimator=Reshaping(how), guard=False)
+    with pytest.raises(ValueError, match=f"Reshaping.estimate's output {says}"):
+        selector.select(logprobs)
+
+
 def test_update_takes_an_answer_object_reused_every_step() -> None:
     selector = OneAnswer()
     for seed in range(3):

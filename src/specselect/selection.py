@@ -217,8 +217,10 @@ class Selector(abc.ABC):
     """Whether it selects with what only replay knows (the oracle's true run lengths): a
     decoding loop refuses it up front."""
     estimator: AcceptanceEstimator | None = None  # set by selectors that take one
+    _initialized = False  # set by __init__: a subclass that skips it gets a clear error
 
     def __init__(self) -> None:
+        self._initialized = True
         self._last: _LastSelect | None = None  # what the last select saw, for update
         self._answered = False  # whether update already had the last select's feedback
         self._request_ids: Tensor | None = None  # [B] request in each slot at the last select
@@ -284,6 +286,7 @@ class Selector(abc.ABC):
             ranking runs: there is nothing to rank, and the step's :meth:`update` has nothing
             to learn.
         """
+        self._check_initialized()
         draft_logprobs = check_logprobs("draft_logprobs", draft_logprobs)
         self._follow_device(draft_logprobs.device)
         rows, width = draft_logprobs.shape
@@ -319,6 +322,13 @@ class Selector(abc.ABC):
         self._answered = False
         return selection
 
+    def _check_initialized(self) -> None:
+        if not self._initialized:
+            raise TypeError(
+                f"{type(self).__name__}.__init__ must call super().__init__(): the Selector "
+                "state that select, update and observe keep is missing"
+            )
+
     def _rank(
         self,
         draft_logprobs: Tensor,  # [B, K] (or [B, N] nodes)
@@ -335,12 +345,15 @@ class Selector(abc.ABC):
             # they existed takes two arguments).
             given = () if features is None else (features,)
             scores = self.estimator.estimate(draft_logprobs, positions, *given)
-            # An estimator of one's own that breaks its contract is named here, not later in
-            # the guard's histograms.
-            check_logprobs(f"{type(self.estimator).__name__}.estimate's output", scores)
+            # An estimator or selector of one's own that breaks its contract is named here, not
+            # later where its answer is used (the guard's histograms, a clamped verify pass).
+            _check_estimate(type(self.estimator).__name__, scores, draft_logprobs)
         if parents is None or positions is None:
-            return scores, self._select(scores, active)
-        return scores, self._select_tree(scores, active, parents, positions + 1)
+            selection = self._select(scores, active)
+        else:
+            selection = self._select_tree(scores, active, parents, positions + 1)
+        _check_answer(type(self).__name__, selection, draft_logprobs, active, parents)
+        return scores, selection
 
     @abc.abstractmethod
     def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
@@ -376,6 +389,7 @@ class Selector(abc.ABC):
                 needs :meth:`reset`), or there was no :meth:`select` since the last reset, or
                 this select was already given its feedback.
         """
+        self._check_initialized()
         lengths = selection.lengths
         check_counts("num_accepted", num_accepted, lengths.shape[0], lengths.device)
         check_at_most("num_accepted", num_accepted, "selection.lengths", lengths)
@@ -512,6 +526,7 @@ class Selector(abc.ABC):
                 :func:`~specselect._checks.trusted_values` (a loop's own read-back) nothing is
                 checked.
         """
+        self._check_initialized()
         if values_trusted():  # a loop's own read-back, every step: no need to check it
             tested = _trusted_list(verified)
             depths = tested if deepest is None else _trusted_list(deepest)
@@ -672,6 +687,64 @@ def _short_repr(value: object) -> str:
     if isinstance(value, CostModel):
         return f"<CostModel: {value.describe()}>"
     return f"<{type(value).__name__}>"
+
+
+def _check_estimate(owner: str, scores: Tensor, draft_logprobs: Tensor) -> None:
+    """An estimator's ``estimate`` returns ``[B, K]`` log-probabilities, ``-inf`` wherever the
+    draft's is (a token that must never be selected stays so); values where readable."""
+    name = f"{owner}.estimate's output"
+    check_logprobs(name, scores)
+    if scores.shape != draft_logprobs.shape:
+        raise ValueError(
+            f"{name} has shape {tuple(scores.shape)}, expected the draft_logprobs' "
+            f"{tuple(draft_logprobs.shape)}"
+        )
+    readable = _values_checkable(scores) and scores.numel()
+    if readable and bool((draft_logprobs.isneginf() & ~scores.isneginf()).any()):
+        raise ValueError(f"{name} must stay -inf where draft_logprobs is -inf")
+
+
+def _check_answer(
+    owner: str,
+    selection: Selection,
+    draft_logprobs: Tensor,  # [B, K] (or [B, N] nodes)
+    active: Tensor | None,  # [B] bool
+    parents: Tensor | None,  # [B, N]
+) -> None:
+    """What ``_select`` / ``_select_tree`` returned keeps the contract every loop relies on:
+    ``[B]`` int64 lengths and a ``[B, K]`` bool mask on the input's device; where readable,
+    each row's mask counts its length, is a prefix (closed under ancestors for a tree), takes
+    nothing at or below a ``-inf`` and nothing in an inactive row. A loop would otherwise
+    clamp, or verify, a broken answer without a word."""
+    rows, width = draft_logprobs.shape
+    lengths, mask, device = selection.lengths, selection.mask, draft_logprobs.device
+    shapes = (lengths.dtype, tuple(lengths.shape), mask.dtype, tuple(mask.shape))
+    if shapes != (torch.int64, (rows,), torch.bool, (rows, width)) or {
+        lengths.device,
+        mask.device,
+    } != {device}:
+        raise RuntimeError(
+            f"{owner} selected lengths {lengths.dtype} {tuple(lengths.shape)} on "
+            f"{lengths.device} and a mask {mask.dtype} {tuple(mask.shape)} on {mask.device}; "
+            f"expected int64 [{rows}] and bool [{rows}, {width}] on {device}"
+        )
+    if not (_values_checkable(lengths) and _values_checkable(mask) and mask.numel()):
+        return
+    counted = mask.sum(dim=1) == lengths  # [B]
+    if parents is None:
+        allowed = prefix_mask(available_lengths(draft_logprobs), width)  # [B, K]
+        closed = counted & (mask == prefix_mask(lengths, width)).all(dim=1)  # [B]
+    else:
+        allowed = available_nodes(draft_logprobs, parents)  # [B, N]
+        has_parent = mask.gather(1, parents.clamp(min=0)) | (parents < 0)  # [B, N]
+        closed = counted & (has_parent | ~mask).all(dim=1)  # [B]
+    shape = "a prefix of each row" if parents is None else "closed under ancestors"
+    if not bool(closed.all()):
+        raise RuntimeError(f"{owner} selected a mask that is not {shape} matching its lengths")
+    if bool((mask & ~allowed).any()):
+        raise RuntimeError(f"{owner} selected a token at or after a -inf draft log-probability")
+    if active is not None and bool((mask & ~active.unsqueeze(1)).any()):
+        raise RuntimeError(f"{owner} selected tokens in an inactive row")
 
 
 def _check_accepted_nodes(
