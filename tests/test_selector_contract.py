@@ -312,25 +312,6 @@ class PerRowBonus(AcceptanceEstimator):
         self.bonus = None
 
 
-class PositiveScores(AcceptanceEstimator):
-    """A third-party estimator that breaks its contract (estimates must be log-probabilities)."""
-
-    def estimate(
-        self,
-        draft_logprobs: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        features: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return draft_logprobs.exp()
-
-
-def test_an_estimate_that_is_no_log_probability_is_named_at_select() -> None:
-    """It used to fail only in update, with the guard's own argument name."""
-    selector = SELECTORS["tetris"](2, 1, estimator=PositiveScores())
-    with pytest.raises(ValueError, match=r"PositiveScores.estimate's output contains positive"):
-        selector.select(random_logprobs(4, 3, seed=0))
-
-
 def test_request_ids_of_a_new_batch_size_reset_an_estimator_without_reset_requests() -> None:
     """By default reset_requests forgets everything: safe for per-row state it cannot see."""
     selector = SELECTORS["tetris"](2, 1, estimator=PerRowBonus(), guard=False)
@@ -462,7 +443,8 @@ def test_a_selector_that_skips_super_init_is_told() -> None:
 
 
 class Reshaping(AcceptanceEstimator):
-    """Estimates of another shape, or finite where the draft is -inf (``how``)."""
+    """Estimates that are no log-probabilities, of another shape, or finite where the draft is
+    -inf (``how``)."""
 
     def __init__(self, how: str) -> None:
         self.how = how
@@ -470,16 +452,23 @@ class Reshaping(AcceptanceEstimator):
     def estimate(self, draft_logprobs, positions=None, features=None) -> torch.Tensor:
         if self.how == "shape":
             return draft_logprobs[:, :1]
+        if self.how == "positive":
+            return draft_logprobs.exp()
         return draft_logprobs.clamp(min=-30.0)
 
 
 @pytest.mark.parametrize(
     ("how", "says"),
-    [("shape", r"has shape \(5, 1\), expected"), ("finite", "must stay -inf where")],
+    [
+        ("positive", "contains positive values"),
+        ("shape", r"has shape \(5, 1\), expected"),
+        ("finite", "must stay -inf where"),
+    ],
 )
-def test_an_estimate_of_another_shape_or_without_its_inf_is_refused(how: str, says: str) -> None:
-    """A [B, 1] estimate used to give a [B, 1] selection (update then blamed the batch), a
-    finite one for a -inf token let TETRIS select past it."""
+def test_an_estimate_that_breaks_its_contract_is_named_at_select(how: str, says: str) -> None:
+    """Positive estimates failed only in update, under the guard's argument name; a [B, 1]
+    estimate gave a [B, 1] selection (update then blamed the batch); a finite one for a -inf
+    token let TETRIS select past it."""
     logprobs = torch.tensor([[-0.1, -math.inf, -0.2]] * BATCH)
     selector = SELECTORS["tetris"](2, 1, estimator=Reshaping(how), guard=False)
     with pytest.raises(ValueError, match=f"Reshaping.estimate's output {says}"):
