@@ -25,6 +25,9 @@ from types import ModuleType
 
 import pytest
 
+from specselect.estimators import ESTIMATORS
+from specselect.selectors import SELECTORS
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NO_RUN = re.compile(r"<!--\s*no-run:?\s*(.*?)\s*-->")
@@ -99,7 +102,14 @@ def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.Mon
     if block.no_run is not None:
         pytest.skip(f"marked <!-- no-run --> in the doc: {block.no_run}")
     monkeypatch.chdir(tmp_path)  # blocks that write files write them here
-    exec(compile(block.code, block.where, "exec"), {"__name__": "__doc_block__"})
+    registries = (SELECTORS, ESTIMATORS)  # a block may register a selector of its own:
+    saved = [dict(registry) for registry in registries]  # later tests must not see it
+    try:
+        exec(compile(block.code, block.where, "exec"), {"__name__": "__doc_block__"})
+    finally:
+        for registry, entries in zip(registries, saved, strict=True):
+            registry.clear()
+            registry.update(entries)  # type: ignore[arg-type]
 
 
 def test_readme_loop_is_in_the_example() -> None:
