@@ -21,9 +21,9 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specselect.cost import CostModel, CostSample, PassCost
-from specselect.estimators import RankingGuard
+from specselect.estimators import ESTIMATORS, RankingGuard
 from specselect.selection import Selection
-from specselect.selectors import TetrisSelector
+from specselect.selectors import SELECTORS, TetrisSelector
 
 # A test run gates every change, so it must not pass once and fail on the next run: property
 # tests draw their examples from a seed derived from each test's name. `pytest
@@ -146,6 +146,18 @@ def _plain_terminal() -> Iterator[None]:
         patch.setenv("PYTHON_COLORS", "0")  # outranks FORCE_COLOR
         patch.setenv("NO_COLOR", "1")
         yield
+
+
+@pytest.fixture(autouse=True)
+def _registries_unchanged() -> Iterator[None]:
+    """Whatever a test registers (a doc block's selector, a ``--import``ed module's) is gone
+    for the next test in the same worker: parametrized tests read the registries."""
+    saved = [dict(registry) for registry in (SELECTORS, ESTIMATORS)]
+    yield
+    for registry, entries in zip((SELECTORS, ESTIMATORS), saved, strict=True):
+        if dict(registry) != entries:
+            registry.clear()
+            registry.update(entries)
 
 
 #: What each pass "takes" under :func:`planted_timings`: every term of the formula present.

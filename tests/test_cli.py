@@ -632,6 +632,82 @@ def test_compare_without_matplotlib_warns_once(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "results.json"]
 
 
+PLUGIN = """
+from specselect.estimators import ESTIMATORS, DraftProbability
+from specselect.selectors import SELECTORS, FixedWindowSelector
+
+
+class Mine(FixedWindowSelector):
+    name = "mine"
+
+
+class Raw(DraftProbability):
+    name = "raw"
+
+
+SELECTORS["mine"] = Mine
+ESTIMATORS["raw"] = Raw
+"""
+
+
+@pytest.mark.parametrize("form", ["file", "module"])
+def test_compare_imports_a_users_selectors(
+    compare_run: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    """``--import`` runs before ``--selectors`` is read: a user's selector and estimator are
+    compared by name, from a .py path or a module in the working directory (which a console
+    script does not have on its path), and listed by ``--help``."""
+    module = f"plugin_{form}_{os.getpid()}"
+    (tmp_path / f"{module}.py").write_text(PLUGIN, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    target = f"{module}.py" if form == "file" else module
+    traces = ["--traces", str(compare_run["out"] / "traces.pt"), "--max-new-tokens", "10"]
+    grid = ["--selectors", "mine,tetris+raw", "--k", "1", "--extra", "1", "--slots", "2"]
+    try:
+        code, stdout, stderr = run_main(
+            ["compare", "--import", target, *traces, "--out", "out", *grid, "--quiet"]
+        )
+        assert code == 0, stderr
+        rows = json.loads((tmp_path / "out" / "results.json").read_text(encoding="utf-8"))
+        assert {"mine", "tetris+raw"} <= {row["selector"] for row in rows["rows"]}
+        assert tmp_path.resolve() not in map(Path, sys.path)  # the path is left as it was
+        code, stdout, _ = run_main(["compare", "--import", target, "--help"])
+        assert code == 0 and "heuristic, mine, tetris," in " ".join(stdout.split())
+    finally:
+        sys.modules.pop(module, None)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("no_such_plugin_module", "no module named 'no_such_plugin_module' in the working"),
+        ("missing.py", "no file 'missing.py'"),
+        ("json.py", "would be imported as 'json', which names another module already"),
+    ],
+)
+def test_compare_import_that_cannot_be_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str, message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "json.py").write_text("raise AssertionError('imported')\n", encoding="utf-8")
+    code, stdout, stderr = run_main(["compare", "--import", target, "--out", "out"])
+    assert code == 2 and stdout == "" and not (tmp_path / "out").exists()
+    assert stderr.startswith("specselect compare: error: --import: ")
+    assert message in stderr and stderr.count("\n") == 1
+
+
+def test_compare_import_of_a_broken_module_shows_its_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error in the user's own module is theirs to fix: it propagates, with its line."""
+    module = f"broken_{os.getpid()}"
+    (tmp_path / f"{module}.py").write_text("import no_such_dependency\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModuleNotFoundError, match="no_such_dependency"):
+        run_main(["compare", "--import", module])
+    assert module not in sys.modules
+
+
 def test_vsr_undefined_when_nothing_verified() -> None:
     """0 / 0 is shown as '-' and written as null, never as 0 or -100% vs fixed."""
     rows = [

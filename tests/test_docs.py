@@ -25,9 +25,6 @@ from types import ModuleType
 
 import pytest
 
-from specselect.estimators import ESTIMATORS
-from specselect.selectors import SELECTORS
-
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NO_RUN = re.compile(r"<!--\s*no-run:?\s*(.*?)\s*-->")
@@ -102,14 +99,8 @@ def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.Mon
     if block.no_run is not None:
         pytest.skip(f"marked <!-- no-run --> in the doc: {block.no_run}")
     monkeypatch.chdir(tmp_path)  # blocks that write files write them here
-    registries = (SELECTORS, ESTIMATORS)  # a block may register a selector of its own:
-    saved = [dict(registry) for registry in registries]  # later tests must not see it
-    try:
-        exec(compile(block.code, block.where, "exec"), {"__name__": "__doc_block__"})
-    finally:
-        for registry, entries in zip(registries, saved, strict=True):
-            registry.clear()
-            registry.update(entries)  # type: ignore[arg-type]
+    # A block may register a selector of its own: conftest removes it after the test.
+    exec(compile(block.code, block.where, "exec"), {"__name__": "__doc_block__"})
 
 
 def test_readme_loop_is_in_the_example() -> None:
@@ -199,3 +190,19 @@ def test_targets_resolve_like_names(docs_roles: ModuleType) -> None:
         assert resolve("pkg.Base") == "pkg.base.Base"
         assert resolve("missing") is None
         assert docs_roles.resolver(pkg["base.Base"], pkg)("torch.topk") is None
+
+
+def test_every_command_line_option_is_in_the_guide() -> None:
+    """docs/compare.md documents each option of ``compare`` and ``profile`` (an option added to
+    the parser and not to the guide fails here)."""
+    import argparse
+
+    from specselect.cli import build_parser
+
+    guide = (ROOT / "docs" / "compare.md").read_text(encoding="utf-8")
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(commands.choices) == {"compare", "profile"}
+    for name, parser in commands.choices.items():
+        options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        missing = [o for o in options if o != "--help" and f"`{o}" not in guide]
+        assert not missing, f"specselect {name}: {missing} not in docs/compare.md"

@@ -149,3 +149,53 @@ def test_make_selector_hint_leaves_out_what_the_spec_sets(
     hint = "make_selector('needy+none', max_k=..., threshold=...)"
     assert str(error.value) == f"selector 'needy+none' needs threshold, e.g. {hint}"
     assert make_selector("needy+none", max_k=3, threshold=0.5).estimator is None
+
+
+class _Redefined(SELECTORS["fixed"]):  # type: ignore[misc,valid-type]
+    """Stands for a class defined twice (a re-run notebook cell): same module and name."""
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "error", "match"),
+    [
+        ("a+b", SELECTORS["fixed"], ValueError, "without whitespace, '\\+' or ','"),
+        ("a,b", SELECTORS["fixed"], ValueError, "without whitespace"),
+        ("my selector", SELECTORS["fixed"], ValueError, "without whitespace"),
+        ("", SELECTORS["fixed"], ValueError, "must be non-empty"),
+        (3, SELECTORS["fixed"], TypeError, "SELECTORS: a name must be a str, got int"),
+        ("oracle", SELECTORS["fixed"], ValueError, "'oracle' cannot be registered; it means"),
+        ("tetris", SELECTORS["fixed"], ValueError, "already registered as specselect.selectors"),
+        ("mine", SELECTORS["fixed"](2), TypeError, "the class, not an instance"),
+        ("mine", int, TypeError, "must be a subclass of Selector"),
+        ("mine", SELECTORS["fixed"].__mro__[1], TypeError, "is abstract; it must implement"),
+    ],
+)
+def test_registering_what_a_lookup_cannot_use_is_refused(
+    name: object, cls: object, error: type[Exception], match: str
+) -> None:
+    """Names that specs and ``--selectors`` would split, a name meaning something else, a class
+    of the wrong kind, or a shipped selector silently replaced: refused at the assignment, and
+    the registry is unchanged."""
+    before = dict(SELECTORS)
+    with pytest.raises(error, match=match):
+        SELECTORS[name] = cls  # type: ignore[index]
+    assert dict(SELECTORS) == before
+
+
+def test_registering_again_replaces_only_the_same_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same class again, or a class of the same module and name (defined again), replaces
+    the entry; another class needs the entry deleted first. ``none`` is reserved for
+    estimators."""
+    monkeypatch.setitem(SELECTORS, "mine", SELECTORS["fixed"])
+    SELECTORS["mine"] = SELECTORS["fixed"]
+    with pytest.raises(ValueError, match=r"del SELECTORS\['mine'\]"):
+        SELECTORS["mine"] = _Redefined
+    del SELECTORS["mine"]
+    SELECTORS["mine"] = _Redefined
+    redefined = type("_Redefined", (SELECTORS["fixed"],), {"__module__": __name__})
+    redefined.__qualname__ = _Redefined.__qualname__
+    SELECTORS["mine"] = redefined
+    assert SELECTORS["mine"] is redefined
+    assert make_selector("mine", k=2).draft_length(1) == 2
+    with pytest.raises(ValueError, match="'none' cannot be registered; it means no estimator"):
+        ESTIMATORS[NO_ESTIMATOR] = ESTIMATORS["draft"]

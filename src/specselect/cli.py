@@ -6,20 +6,24 @@ and :func:`specselect.models.read_prompts` (the inputs), :func:`specselect.repla
 and :func:`specselect.replay.reuse_traces` (traces recorded now, or earlier for this run),
 :func:`specselect.replay.compare_replay` (exact greedy replay, every selector and the oracle),
 ``speculative_generate`` for ``--mode live``, and :func:`specselect.report.write_report`.
-``profile`` measures what the models' forward passes cost on this hardware
-(:meth:`specselect.cost.CostModel.measure`) and writes the cost model that ``compare
---cost-model`` reads.
+``compare --import`` imports a user's module first, so that selectors and estimators it
+registers can be compared by name. ``profile`` measures what the models' forward passes cost
+on this hardware (:meth:`specselect.cost.CostModel.measure`) and writes the cost model that
+``compare --cost-model`` reads.
 
 User errors (a bad argument, a missing model directory, an empty or unreadable prompts file, an
 unknown selector, an invalid grid value, traces recorded from other models or prompts, an
-unusable ``--out`` or ``--device``) print one line on stderr and exit with status 2, without a
-traceback. They are found before any model runs, so that a mistake never costs a recording.
+unusable ``--out`` or ``--device``, an ``--import`` that does not exist) print one line on
+stderr and exit with status 2, without a traceback. They are found before any model runs, so
+that a mistake never costs a recording.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import importlib.util
 import os
 import shlex
 import sys
@@ -265,6 +269,17 @@ def _add_model_arguments(models: Any) -> None:
 def _add_grid_arguments(grid: Any) -> None:
     grid.add_argument(
         "--selectors", type=_name_list, default=None, metavar="NAMES", help=_selectors_help()
+    )
+    grid.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first: a module that registers selectors or estimators of its own "
+        "(SELECTORS[name] = cls), which --selectors and this help then list. A module name, "
+        "found in the working directory first (as python -m finds it), or the path of a .py "
+        "file; repeatable",
     )
     grid.add_argument(
         "--k",
@@ -1006,11 +1021,77 @@ def _draw_plots(args: argparse.Namespace) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+def import_plugins(argv: Sequence[str]) -> None:
+    """Import every ``--import`` of ``argv``, before the parser is built: the registrations
+    they make are what ``--selectors`` is checked against and ``--help`` lists.
+
+    Raises:
+        UsageError: a module or file that does not exist. An error raised by the module's own
+            code propagates with its traceback: it is the module's to fix.
+    """
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--import", dest="imports", action="append", default=[])
+    for target in early.parse_known_args(argv)[0].imports:
+        if target.endswith(".py"):
+            _import_file(Path(target))
+        else:
+            _import_module(target)
+
+
+def _import_module(name: str) -> None:
+    here = os.getcwd()
+    added = here not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (name == exc.name or name.startswith(f"{exc.name}.")):
+            raise  # the module was found, and imports something missing itself
+        raise UsageError(
+            f"--import: no module named {name!r} in the working directory or on the Python "
+            "path (to import a file, give its path ending in .py)"
+        ) from None
+    finally:
+        if added:
+            sys.path.remove(here)
+
+
+def _import_file(path: Path) -> None:
+    if not path.is_file():
+        raise UsageError(f"--import: no file {str(path)!r}")
+    held = sys.modules.get(path.stem)
+    if held is not None:
+        if Path(getattr(held, "__file__", None) or "").resolve() == path.resolve():
+            return  # imported already
+        raise UsageError(
+            f"--import: {str(path)!r} would be imported as {path.stem!r}, which names another "
+            "module already imported; rename the file"
+        )
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"--import: cannot import {str(path)!r} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its classes pickle and its own imports find it by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[spec.name]
+        raise
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (2 for user errors, without traceback)."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    try:
+        import_plugins(arguments)
+    except UsageError as exc:
+        command = "compare" if "compare" in arguments else None
+        print(f"{' '.join(filter(None, ('specselect', command)))}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     parser = build_parser()
     try:
-        args, unknown = parser.parse_known_args(argv)
+        args, unknown = parser.parse_known_args(arguments)
         if unknown:  # the subcommand's error, pointing at its help, not the top level's
             prog = parser.prog if args.command is None else args.prog
             parser.exit(
@@ -1019,7 +1100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     except SystemExit as exc:  # argparse already printed usage and the error on stderr
         return int(exc.code or 0)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.argv = arguments
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE

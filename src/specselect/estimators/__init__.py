@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from specselect._registries import Registry
 from specselect.estimators.base import AcceptanceEstimator, DraftProbability
 from specselect.estimators.calibrated import CalibratedDraft
 from specselect.estimators.choice import RankingChoice
@@ -13,12 +14,21 @@ NO_ESTIMATOR = "none"
 """The estimator part of a selector spec that means "no estimator" (``"tetris+none"``: TETRIS as
 in the paper, which also drops its ranking guard); see :func:`specselect.registry.parse_spec`."""
 
-ESTIMATORS: dict[str, type[AcceptanceEstimator]] = {
-    DraftProbability.name: DraftProbability,
-    CalibratedDraft.name: CalibratedDraft,
-    RequestHistory.name: RequestHistory,
-    RankingChoice.name: RankingChoice,
-}
+ESTIMATORS: Registry[AcceptanceEstimator] = Registry(
+    "ESTIMATORS",
+    "estimator",
+    AcceptanceEstimator,
+    {
+        DraftProbability.name: DraftProbability,
+        CalibratedDraft.name: CalibratedDraft,
+        RequestHistory.name: RequestHistory,
+        RankingChoice.name: RankingChoice,
+    },
+    reserved={NO_ESTIMATOR: "no estimator in a selector spec (tetris+none)"},
+)
+"""Acceptance estimators by name: what may follow ``+`` in a selector spec, besides
+:data:`NO_ESTIMATOR`. ``ESTIMATORS["mine"] = Mine`` registers one, under the rules of
+:data:`specselect.selectors.SELECTORS`."""
 
 DEFAULT_ESTIMATOR = RankingChoice.name
 """The estimator a :class:`~specselect.TetrisSelector` ranks by unless told otherwise."""

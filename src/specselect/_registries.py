@@ -1,0 +1,109 @@
+"""The checked name -> class mapping behind ``SELECTORS`` and ``ESTIMATORS``.
+
+A registry is written by users (``SELECTORS["mine"] = Mine``) and read by parsers that split on
+``,`` and ``+`` (selector specs, ``--selectors``): a name with those characters, a class of the
+wrong kind or a second class under a taken name would fail far from the line that caused it,
+or silently replace a shipped selector. Each is refused at the assignment instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+#: A name survives selector specs and comma-separated lists: no ``+``, ``,`` or whitespace.
+_NAME = re.compile(r"[^\s+,]+")
+
+
+class Registry(MutableMapping[str, type[T]], Generic[T]):
+    """Classes by name, refusing what would break a later lookup.
+
+    ``registry[name] = cls`` requires a name without whitespace, ``+`` or ``,`` that is not
+    reserved, and a concrete subclass of the registry's base class. A name already taken by
+    another class is refused (``del registry[name]`` first to replace it), except by a class of
+    the same module and qualified name: the same class defined again, as re-running a notebook
+    cell does.
+    """
+
+    def __init__(
+        self,
+        label: str,
+        kind: str,
+        base: type,  # abstract: only subclasses are registered
+        entries: Mapping[str, type[T]],
+        reserved: Mapping[str, str],
+    ) -> None:
+        """``label`` is how users reach it ("SELECTORS") and ``kind`` what it holds
+        ("selector"), for errors; ``reserved`` maps names that mean something else where the
+        registry's names are read to what they mean."""
+        self._label = label
+        self._kind = kind
+        self._base = base
+        self._reserved = dict(reserved)
+        self._entries: dict[str, type[T]] = {}
+        self.update(entries)
+
+    @property
+    def reserved(self) -> Mapping[str, str]:
+        """Names that cannot be registered, and what they mean instead."""
+        return dict(self._reserved)
+
+    def __getitem__(self, name: str) -> type[T]:
+        return self._entries[name]
+
+    def __setitem__(self, name: str, cls: type[T]) -> None:
+        self._check_name(name)
+        self._check_class(name, cls)
+        held = self._entries.get(name)
+        if held is not None and _qualified(held) != _qualified(cls):
+            raise ValueError(
+                f"{self._kind} {name!r} is already registered as {_qualified(held)}; to replace "
+                f"it with {_qualified(cls)}, delete the entry first (del {self._label}[{name!r}])"
+            )
+        self._entries[name] = cls
+
+    def __delitem__(self, name: str) -> None:
+        del self._entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"{self._label}({', '.join(self._entries)})"
+
+    def _check_name(self, name: object) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"{self._label}: a name must be a str, got {type(name).__name__}")
+        if _NAME.fullmatch(name) is None:
+            raise ValueError(
+                f"{self._label}: a name must be non-empty, without whitespace, '+' or ',' "
+                f"(selector specs and comma-separated lists split on them), got {name!r}"
+            )
+        if name in self._reserved:
+            raise ValueError(
+                f"{self._label}: {name!r} cannot be registered; it means {self._reserved[name]}"
+            )
+
+    def _check_class(self, name: str, cls: object) -> None:
+        base = self._base.__name__
+        if not (isinstance(cls, type) and issubclass(cls, self._base)):
+            raise TypeError(
+                f"{self._kind} {name!r} must be a subclass of {base} (the class, not an "
+                f"instance), got {cls!r}"
+            )
+        if inspect.isabstract(cls):
+            missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
+            raise TypeError(
+                f"{self._kind} {name!r}: {cls.__name__} is abstract; it must implement {missing}"
+            )
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
