@@ -749,7 +749,16 @@ def test_the_shipped_model_is_a_measured_cpu_model() -> None:
     assert len(model.samples) == 30
     errors = model.relative_errors()
     assert statistics.median(errors) < 0.10 and max(errors) < 0.35
-    assert model == CostModel.fit(model.samples, source=model.source)  # the fit of its samples
+    # The fit of its samples, up to rounding: LAPACK's least squares may differ in the last
+    # bits between CPUs (seen: 1 ulp on another machine than the one that wrote the file).
+    refit = CostModel.fit(model.samples, source=model.source)
+    for ours, theirs in ((model.draft, refit.draft), (model.verify, refit.verify)):
+        assert ours is not None and theirs is not None
+        for field in dataclasses.fields(ours):
+            a, b = getattr(ours, field.name), getattr(theirs, field.name)
+            assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15), (field.name, a, b)
+    same_coefficients = dataclasses.replace(refit, draft=model.draft, verify=model.verify)
+    assert same_coefficients == model
 
 
 COST_FILES = Path(__file__).resolve().parents[1] / "benchmarks" / "costs"

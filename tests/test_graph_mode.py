@@ -31,6 +31,7 @@ import specselect.hf.generate as hf_generate
 from greedy_cases import MAX_NEW, NOISE, VOCAB, case, cuda_case, greedy_reference
 from hf_models import EOS_ID, PAD_ID, left_padded_prompts, tiny_pair
 from specselect import FixedWindowSelector, TetrisSelector, make_selector, native
+from specselect.capture_contract import recording_checked
 from specselect.estimators import DraftProbability
 from specselect.hf import HostReads, TreeSpec, emulate_on_cpu, graphs, speculative_generate
 from specselect.hf.compat import ModelHandle, graph_obstacle
@@ -348,9 +349,9 @@ def test_selection_is_captured_only_for_capturable_selectors(config: str, captur
     keys: list[object] = []
     runner_call = StageRunner.__call__
 
-    def spy(self: StageRunner, key: object, stage: object) -> None:
+    def spy(self: StageRunner, key: object, stage: object, **kwargs: object) -> None:
         keys.append(key)
-        runner_call(self, key, stage)  # type: ignore[arg-type]
+        runner_call(self, key, stage, **kwargs)  # type: ignore[arg-type]
 
     selector = None
     if config == "opaque":  # an estimator that does not declare itself capturable
@@ -1035,3 +1036,85 @@ def test_graph_obstacles_name_the_reason() -> None:
         assert graph_obstacle(target, "target") == (
             f"target uses {kind!r} RoPE scaling, which reads positions on the host"
         )
+
+
+class Counting(FixedWindowSelector):
+    """A stateful capturable selector, right (``mistake=None``: it counts its updates in a
+    tensor updated in place) or wrong in one of the ways a replay cannot show."""
+
+    def __init__(self, k: int, mistake: str | None = None) -> None:
+        super().__init__(k)
+        self.mistake = mistake
+        self.updates = torch.zeros((), dtype=torch.int64)
+        self.host_updates = 0
+        self.made: torch.Tensor | None = None
+
+    @property
+    def capture_key(self) -> Hashable:
+        key = (self.name, self.k)
+        return key if self.mistake == "no-token" else (*key, self.capture_token)
+
+    def _update(self, selection: object, num_accepted: torch.Tensor, nodes: object) -> None:
+        if self.mistake == "rebound":
+            self.updates = self.updates + 1
+        else:
+            self.updates.add_(1)
+        if self.mistake == "host":
+            self.host_updates += 1
+        if self.mistake == "made":
+            self.made = torch.zeros(())
+
+
+def record_one_step(selector: Counting) -> None:
+    """One select + update inside :func:`recording_checked`, as a loop records them."""
+    draft_logprobs = torch.rand(3, 2).log()
+    with recording_checked(selector):
+        selection = selector.select(draft_logprobs)
+        selector.update(selection, selection.lengths.clamp(max=1))
+
+
+@pytest.mark.parametrize(
+    ("mistake", "message"),
+    [
+        ("rebound", "Counting.updates was rebound while select/update were being recorded"),
+        ("host", r"Counting.host_updates changed \(0 -> 1\) while select/update were"),
+        ("made", "Counting.made was created while select/update were being recorded"),
+        ("no-token", r"keeps tensors \(Counting.updates\) but its capture_key \('fixed', 2\)"),
+    ],
+)
+def test_recording_a_selector_refuses_what_a_replay_would_get_wrong(
+    mistake: str, message: str
+) -> None:
+    """Each mistake keeps greedy output identical and makes the statistics wrong under replay,
+    so it must be refused while recording; the right selector, and host state made on first
+    use (None -> a value), pass."""
+    record_one_step(Counting(2))
+    right = Counting(2)
+    right.host_updates = None  # type: ignore[assignment]
+    with recording_checked(right):
+        right.host_updates = 3  # type: ignore[assignment]
+    with pytest.raises(TypeError, match=message):
+        record_one_step(Counting(2, mistake))
+
+
+@pytest.mark.parametrize("mistake", [None, "rebound"])
+def test_graph_mode_refuses_a_selector_that_rebinds_its_state(mistake: str | None) -> None:
+    """Through speculative_generate (trace mode): the right selector counts every step as in
+    eager mode, and the wrong one is refused at its first recording, naming the attribute."""
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    arguments = (target, draft, ids[:2], mask[:2], "fixed", eos)
+    eager = Counting(2, mistake)
+    run(*arguments, eager, cuda_graphs=False, max_new_tokens=12)
+    assert int(eager.updates) > 2
+    with emulate_on_cpu():
+        selector = Counting(2, mistake)
+        try:
+            if mistake is None:
+                out = run(*arguments, selector, cuda_graphs=True, max_new_tokens=12)
+                assert out.stats.mode == "trace" and out.stats.captures > 0
+                assert int(selector.updates) == int(eager.updates)
+            else:
+                with pytest.raises(TypeError, match=r"Counting\.updates was rebound"):
+                    run(*arguments, selector, cuda_graphs=True, max_new_tokens=12)
+        finally:
+            release_workspace(target)

@@ -597,6 +597,10 @@ class Selector(abc.ABC):
         one must include its :attr:`capture_token`. The one rebinding allowed is a
         move: inputs on another device than the last :meth:`select`'s take the state there as
         new tensors, and :meth:`select` then draws a new :attr:`capture_token`.
+
+        ``speculative_generate`` checks every recording of a selector with
+        :func:`specselect.capture_contract.recording_checked`, which refuses the mistakes it
+        can see; a host value read by :meth:`select` but left out of the key it cannot.
         """
         return None
 

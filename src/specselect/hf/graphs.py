@@ -33,6 +33,7 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 import torch
@@ -126,7 +127,15 @@ class StageRunner:
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None  # what CUDA captures record on
 
-    def __call__(self, key: Hashable, stage: Callable[[], None]) -> None:
+    def __call__(
+        self,
+        key: Hashable,
+        stage: Callable[[], None],
+        recording: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> None:
+        """Run ``stage`` under ``key``: eagerly, by replaying its recording, or by recording
+        it (after a warm-up run) inside ``recording()``, a context that may check what the
+        recording did and raise (the recording is then dropped)."""
         if self.mode == "eager":
             stage()
             return
@@ -135,11 +144,13 @@ class StageRunner:
             graph.replay() if self.mode == "cuda" else graph()
             return
         if self.mode == "trace":
-            self._trace_or_warm_up(key, stage)
+            self._trace_or_warm_up(key, stage, recording)
             return
         stage()  # the real run doubles as the warm-up
         try:
-            self._graphs[key] = self._capture_cuda(stage)
+            with recording():
+                graph = self._capture_cuda(stage)
+            self._graphs[key] = graph
         except RuntimeError as err:
             global _BROKEN
             _BROKEN = f"a CUDA graph capture failed earlier in this process ({err})"
@@ -157,7 +168,12 @@ class StageRunner:
             return
         self.captures += 1
 
-    def _trace_or_warm_up(self, key: Hashable, stage: Callable[[], None]) -> None:
+    def _trace_or_warm_up(
+        self,
+        key: Hashable,
+        stage: Callable[[], None],
+        recording: Callable[[], AbstractContextManager[None]],
+    ) -> None:
         """Trace mode: run a new key eagerly, trace it the next time.
 
         Like a CUDA capture, a trace follows a warm-up run of its key: state that a stage
@@ -165,7 +181,9 @@ class StageRunner:
         is what ``captures`` counts, so a key costs one capture in both modes.
         """
         if key in self._warm:
-            self._graphs[key] = _trace(stage, self.generators)
+            with recording():
+                graph = _trace(stage, self.generators)
+            self._graphs[key] = graph
             return
         self._warm.add(key)
         stage()

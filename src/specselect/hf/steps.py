@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specselect._checks import check_int
+from specselect.capture_contract import recording_checked
 from specselect.constants import cached_constant
 from specselect.hf.draft import ChainDrafter, SamplingParams
 from specselect.hf.graphs import StageRunner
@@ -143,10 +144,13 @@ class Step(abc.ABC):
             self.update()
         else:  # selection and feedback are replayed with the verify pass
             clock.lap()
+            selector = self.selector
+            assert selector is not None  # a capture key is the selector's
             # The selector sees the caller's rows: their number is part of the captured code.
             self.runner(
                 (SELECT_VERIFY, state.size, state.batch, plan.key, plan.target_columns, capture),
                 lambda: self._select_verify_update(plan),
+                recording=lambda: recording_checked(selector),
             )
         clock.lap()
         advance = self.settle()  # the last step's statistics, while the device runs this one
