@@ -723,6 +723,31 @@ def test_compiles_without_graph_breaks(name: str) -> None:
         assert torch.equal(got.mask, want.mask)
 
 
+def test_direct_calls_check_the_callers_tensors_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Called directly on a CPU, select and update check the values they are given; the
+    default's estimator, its two rankings and its guard are handed checked tensors and must
+    not read them again (they did: 3 reads per select and 8 per update, now 1 and 2)."""
+    reads = []
+    for method in ("item", "__bool__", "tolist"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(tensor: torch.Tensor, *args: object, _original: object = original) -> object:
+            reads.append(tensor.shape)
+            return _original(tensor, *args)  # type: ignore[operator]
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    selector = make("tetris")
+    for seed in range(4):
+        logprobs = drafted(selector, seed=seed)
+        reads.clear()
+        selection = selector.select(logprobs, ACTIVE)
+        assert len(reads) <= 1, reads  # the draft's log-probs (active is a bool: no values)
+        accepted = selection.lengths.clamp(max=1)
+        reads.clear()
+        selector.update(selection, accepted)
+        assert len(reads) <= 2, reads  # num_accepted: >= 0, and <= the lengths
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_runs_on_meta_tensors(name: str) -> None:
     """The meta device holds no data: any host read of a value would raise."""

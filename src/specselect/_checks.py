@@ -51,6 +51,14 @@ def trusted_values() -> Iterator[None]:
         _TRUSTED.reset(token)
 
 
+def checked_already() -> contextlib.AbstractContextManager[None]:
+    """:func:`trusted_values` around a call whose tensor arguments the caller has just checked
+    (a selector passing its checked draft to its estimator), so that the callee's own checks
+    do not read them again. Nothing under ``torch.compile``, which cannot trace the flag and
+    reads no values anyway."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else trusted_values()
+
+
 def values_trusted() -> bool:
     """Whether the caller is inside :func:`trusted_values`."""
     return _TRUSTED.get()

@@ -32,6 +32,7 @@ from specselect._checks import (
     check_logprobs,
     check_row_ints,
     check_tensor,
+    checked_already,
     values_trusted,
 )
 from specselect.constants import cached_constant
@@ -344,7 +345,8 @@ class Selector(abc.ABC):
             # Features go only to an estimator that declared it reads them (one written before
             # they existed takes two arguments).
             given = () if features is None else (features,)
-            scores = self.estimator.estimate(draft_logprobs, positions, *given)
+            with checked_already():  # checked above: its own checks would read them again
+                scores = self.estimator.estimate(draft_logprobs, positions, *given)
             # An estimator or selector of one's own that breaks its contract is named here, not
             # later where its answer is used (the guard's histograms, a clamped verify pass).
             _check_estimate(self.estimator, scores, draft_logprobs)
@@ -408,7 +410,8 @@ class Selector(abc.ABC):
         if self.estimator is not None:
             self._step_outcomes = self.outcomes(selection, num_accepted, accepted_nodes)
             given = () if last.features is None else (last.features,)
-            self.estimator.learn(last.logprobs, *self._step_outcomes, last.positions, *given)
+            with checked_already():  # select's checked inputs, and masks made from them
+                self.estimator.learn(last.logprobs, *self._step_outcomes, last.positions, *given)
         self._update(selection, num_accepted, accepted_nodes)
         self._answered = True
 

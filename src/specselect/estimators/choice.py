@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from specselect._checks import check_probability, check_real
+from specselect._checks import check_probability, check_real, checked_already
 from specselect.estimators.base import (
     EPS,
     AcceptanceEstimator,
@@ -176,13 +176,16 @@ class RankingChoice(AcceptanceEstimator):
         weights = tested.to(state.dtype).expand(rankings.shape)  # [2, B, K]
         flat = histograms.view(RANKINGS, 2 * BINS)  # [2, 2 * BINS]
         flat.scatter_add_(1, cells.view(RANKINGS, -1), weights.reshape(RANKINGS, -1))
-        # Its public learn: an estimator of one's own may implement learn itself.
-        self.learned.learn(draft_logprobs, tested, passed, positions, *self._given(features))
+        # Its public learn: an estimator of one's own may implement learn itself. Trusted:
+        # this learn checked the arguments.
+        with checked_already():
+            self.learned.learn(draft_logprobs, tested, passed, positions, *self._given(features))
 
     def _learned_scores(
         self, draft_logprobs: Tensor, positions: Tensor | None, features: Tensor | None
     ) -> Tensor:  # [B, K]
-        return self.learned.estimate(draft_logprobs, positions, *self._given(features))
+        with checked_already():  # checked by this estimator's estimate or learn
+            return self.learned.estimate(draft_logprobs, positions, *self._given(features))
 
     def _given(self, features: Tensor | None) -> tuple[Tensor, ...]:
         """The features for the learned estimator if it reads them (one written before they

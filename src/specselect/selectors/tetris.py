@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specselect._checks import check_int
+from specselect._checks import check_int, checked_already
 from specselect.constants import cached_constant
 from specselect.cost import CostModel
 from specselect.estimators import (
@@ -261,7 +261,8 @@ class TetrisSelector(Selector):
     ) -> None:
         if self.guard is not None and self.last_scores is not None:
             outcomes = self._outcomes_of_step(selection, num_accepted, accepted_nodes)
-            self.guard.observe(self.last_scores, *outcomes)
+            with checked_already():  # the scores it ranked, and masks from checked counts
+                self.guard.observe(self.last_scores, *outcomes)
 
     def _observe(self, outcomes: Outcomes) -> None:
         if self._planner is not None:
