@@ -38,6 +38,10 @@ LITERAL_MARKER = re.compile(r"(?<=[^\s:])::[ \t]*$", re.MULTILINE)
 """RST's ``text::`` before a literal block, which Sphinx shows as ``text:``."""
 LONE_LITERAL_MARKER = re.compile(r"(?:^|[ \t]+)::[ \t]*$", re.MULTILINE)
 """RST's ``text ::`` or a line ``::``, which Sphinx does not show."""
+CODE = re.compile(
+    r"(^[ \t]*```.*?^[ \t]*```[ \t]*$|^[ \t]*(?:>>>|\.\.\.)(?: [^\n]*)?$)", re.MULTILINE | re.DOTALL
+)
+"""A fenced code block or a doctest line (``>>> ``, ``... ``): code, not RST to rewrite."""
 LEFT_IN_HTML = re.compile(r":(?:[a-z]+:)?[a-z]+:(?:<code>|`)|[^\s:]::\s*</p>")
 """A role or a ``::`` marker as it shows in a page's HTML when nothing converted it."""
 
@@ -66,8 +70,13 @@ def rst_to_markdown(text: str, resolve: Callable[[str], str | None]) -> str:
             return f"`{shown}`"
         return f'<autoref identifier="{escape(identifier)}" optional>`{shown}`</autoref>'
 
-    text = ROLE.sub(replace, text)
-    return LONE_LITERAL_MARKER.sub("", LITERAL_MARKER.sub(":", text))
+    def prose(part: str) -> str:
+        part = ROLE.sub(replace, part)
+        return LONE_LITERAL_MARKER.sub("", LITERAL_MARKER.sub(":", part))
+
+    # Code is shown as written: fenced blocks and doctest lines are left alone.
+    pieces = CODE.split(text)
+    return "".join(p if i % 2 else prose(p) for i, p in enumerate(pieces))
 
 
 class RstRoles(Extension):

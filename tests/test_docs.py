@@ -171,6 +171,8 @@ def test_literal_block_markers(docs_roles: ModuleType) -> None:
     assert convert("per row::\n\n    a + b\n") == "per row:\n\n    a + b\n"
     assert convert("Example ::\n\n    a\n::\n\n    b") == "Example\n\n    a\n\n\n    b"
     assert convert("x[::2] and a::b stay") == "x[::2] and a::b stay"
+    code = "Code stays::\n\n```cpp\nstd::\n:func:`f`\n```\n>>> a = b::\n... c::\nafter::"
+    assert convert(code) == code.replace("stays::", "stays:").replace("after::", "after:")
 
 
 def test_targets_resolve_like_names(docs_roles: ModuleType) -> None:
