@@ -683,17 +683,70 @@ def test_compare_imports_a_users_selectors(
         ("no_such_plugin_module", "no module named 'no_such_plugin_module' in the working"),
         ("missing.py", "no file 'missing.py'"),
         ("json.py", "would be imported as 'json', which names another module already"),
+        ("json", "'json' names a module already imported (json from "),
+        ("./plugins", "'./plugins' is neither a module name nor a .py file"),
     ],
 )
 def test_compare_import_that_cannot_be_found(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str, message: str
 ) -> None:
+    """What is not the user's module is refused, the standard library's namesakes included
+    (a local json.py must not silently be the json module already imported)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "json.py").write_text("raise AssertionError('imported')\n", encoding="utf-8")
+    (tmp_path / "plugins").mkdir()
     code, stdout, stderr = run_main(["compare", "--import", target, "--out", "out"])
     assert code == 2 and stdout == "" and not (tmp_path / "out").exists()
     assert stderr.startswith("specselect compare: error: --import: ")
     assert message in stderr and stderr.count("\n") == 1
+
+
+def test_compare_import_runs_a_file_as_python_runs_it(
+    compare_run: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A .py plugin imports the modules beside it; only compare imports (profile refuses the
+    option without running the module); a missing value is compare's usage error."""
+    folder = tmp_path / "plug"
+    folder.mkdir()
+    helper = f"helpers_{os.getpid()}"
+    (folder / f"{helper}.py").write_text(PLUGIN, encoding="utf-8")
+    (folder / "register.py").write_text(f"import {helper}\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    try:
+        code, stdout, stderr = run_main(["compare", "--import", "plug/register.py", "--help"])
+        assert code == 0 and "heuristic, mine, tetris," in " ".join(stdout.split()), stderr
+        assert str(folder) not in sys.path
+    finally:
+        sys.modules.pop(helper, None)
+        sys.modules.pop("register", None)
+    (tmp_path / "side.py").write_text("raise AssertionError('imported')\n", encoding="utf-8")
+    code, _, stderr = run_main(["profile", "--import", "side.py"])
+    assert code == 2 and "unrecognized arguments: --import side.py" in stderr
+    code, _, stderr = run_main(["compare", "--import"])
+    assert code == 2 and "specselect compare: error: argument --import" in stderr
+
+
+def test_compare_refuses_a_selector_the_grid_cannot_build(
+    compare_run: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registered selector whose constructor takes no ``k`` (and that does not override
+    ``grid_kwargs``) is a usage error before anything is recorded."""
+    module = f"nok_{os.getpid()}"
+    source = PLUGIN + (
+        "\n\nclass NoK(FixedWindowSelector):\n    name = 'nok'\n\n"
+        "    def __init__(self, max_k: int) -> None:\n        super().__init__(max_k)\n\n\n"
+        "SELECTORS['nok'] = NoK\n"
+    )
+    (tmp_path / f"{module}.py").write_text(source, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    args = ["--selectors", "nok", "--k", "1", "--extra", "1", "--out", "out", "--quiet"]
+    try:
+        code, _, stderr = run_main(["compare", "--import", module, *args])
+    finally:
+        sys.modules.pop(module, None)
+    assert code == 2 and not (tmp_path / "out" / "traces.pt").exists()
+    assert "selector 'nok k=1' cannot be built at this grid point" in stderr
+    assert "overrides the classmethod grid_kwargs" in stderr
 
 
 def test_compare_import_of_a_broken_module_shows_its_traceback(

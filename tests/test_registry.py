@@ -134,6 +134,8 @@ def test_repr_is_the_constructor_arguments_in_short(name: str) -> None:
 class _NeedsEstimator(SELECTORS["threshold"]):  # type: ignore[misc,valid-type]
     """A selector whose spec sets one of its required arguments (none shipped does)."""
 
+    name = "needy"
+
     def __init__(self, max_k: int, threshold: float, estimator: object) -> None:
         super().__init__(max_k, threshold, estimator=estimator)  # type: ignore[arg-type]
 
@@ -154,6 +156,18 @@ def test_make_selector_hint_leaves_out_what_the_spec_sets(
 class _Redefined(SELECTORS["fixed"]):  # type: ignore[misc,valid-type]
     """Stands for a class defined twice (a re-run notebook cell): same module and name."""
 
+    name = "mine"
+
+
+class _Tetris(SELECTORS["fixed"]):  # type: ignore[misc,valid-type]
+    """Another class under a shipped selector's name."""
+
+    name = "tetris"
+
+
+class _Unnamed(SELECTORS["fixed"]):  # type: ignore[misc,valid-type]
+    """Forgot its own name: it would share its parent's capture keys."""
+
 
 @pytest.mark.parametrize(
     ("name", "cls", "error", "match"),
@@ -164,10 +178,13 @@ class _Redefined(SELECTORS["fixed"]):  # type: ignore[misc,valid-type]
         ("", SELECTORS["fixed"], ValueError, "must be non-empty"),
         (3, SELECTORS["fixed"], TypeError, "SELECTORS: a name must be a str, got int"),
         ("oracle", SELECTORS["fixed"], ValueError, "'oracle' cannot be registered; it means"),
-        ("tetris", SELECTORS["fixed"], ValueError, "already registered as specselect.selectors"),
+        ("tetris", _Tetris, ValueError, "already registered as specselect.selectors"),
         ("mine", SELECTORS["fixed"](2), TypeError, "the class, not an instance"),
         ("mine", int, TypeError, "must be a subclass of Selector"),
         ("mine", SELECTORS["fixed"].__mro__[1], TypeError, "is abstract; it must implement"),
+        ("-mine", _Redefined, ValueError, "not start with '-'"),
+        ("mine", _Unnamed, ValueError, r"_Unnamed.name is 'fixed', inherited; set name = 'mine'"),
+        ("fixed", _Redefined, ValueError, r"_Redefined.name is 'mine'; set name = 'fixed'"),
     ],
 )
 def test_registering_what_a_lookup_cannot_use_is_refused(
@@ -186,16 +203,32 @@ def test_registering_again_replaces_only_the_same_class(monkeypatch: pytest.Monk
     """The same class again, or a class of the same module and name (defined again), replaces
     the entry; another class needs the entry deleted first. ``none`` is reserved for
     estimators."""
-    monkeypatch.setitem(SELECTORS, "mine", SELECTORS["fixed"])
-    SELECTORS["mine"] = SELECTORS["fixed"]
+    other = type("Other", (SELECTORS["fixed"],), {"name": "mine", "__module__": __name__})
+    monkeypatch.setitem(SELECTORS, "mine", other)
+    SELECTORS["mine"] = other
     with pytest.raises(ValueError, match=r"del SELECTORS\['mine'\]"):
         SELECTORS["mine"] = _Redefined
     del SELECTORS["mine"]
     SELECTORS["mine"] = _Redefined
-    redefined = type("_Redefined", (SELECTORS["fixed"],), {"__module__": __name__})
+    redefined = type("_Redefined", (SELECTORS["fixed"],), {"__module__": __name__, "name": "mine"})
     redefined.__qualname__ = _Redefined.__qualname__
     SELECTORS["mine"] = redefined
     assert SELECTORS["mine"] is redefined
     assert make_selector("mine", k=2).draft_length(1) == 2
     with pytest.raises(ValueError, match="'none' cannot be registered; it means no estimator"):
         ESTIMATORS[NO_ESTIMATOR] = ESTIMATORS["draft"]
+
+
+def test_the_registry_is_a_mapping_that_refuses_all_of_a_bad_update() -> None:
+    """``update`` registers all its entries or none; ``copy()``, ``copy.copy`` and ``|`` give
+    plain dicts, so registering in them changes nothing here."""
+    import copy
+
+    before = dict(SELECTORS)
+    with pytest.raises(ValueError, match="without whitespace"):
+        SELECTORS.update({"mine": _Redefined, "bad name": _Redefined})
+    assert dict(SELECTORS) == before
+    for plain in (SELECTORS.copy(), copy.copy(SELECTORS), SELECTORS | {}):
+        assert type(plain) is dict and plain == before
+        plain["mine"] = _Redefined
+    assert "mine" not in SELECTORS

@@ -11,22 +11,27 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Iterator, Mapping, MutableMapping
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
-#: A name survives selector specs and comma-separated lists: no ``+``, ``,`` or whitespace.
-_NAME = re.compile(r"[^\s+,]+")
+#: A name survives selector specs and comma-separated lists (no ``+``, ``,`` or whitespace)
+#: and the command line (no leading ``-``, which argparse reads as an option).
+_NAME = re.compile(r"[^\s+,\-][^\s+,]*")
 
 
 class Registry(MutableMapping[str, type[T]], Generic[T]):
     """Classes by name, refusing what would break a later lookup.
 
-    ``registry[name] = cls`` requires a name without whitespace, ``+`` or ``,`` that is not
-    reserved, and a concrete subclass of the registry's base class. A name already taken by
-    another class is refused (``del registry[name]`` first to replace it), except by a class of
-    the same module and qualified name: the same class defined again, as re-running a notebook
-    cell does.
+    ``registry[name] = cls`` requires a name without whitespace, ``+`` or ``,`` (nor a
+    leading ``-``) that is not reserved, and a concrete subclass of the registry's base class
+    whose class attribute ``name`` is that name (capture keys and reports use it: a subclass
+    that inherits its parent's would replay the parent's CUDA graphs). A name already taken by
+    another class is refused (``del registry[name]`` first to replace it), except by a class
+    of the same module and qualified name: the same class defined again, as re-running a
+    notebook cell does. ``update`` checks every entry before it registers any.
+
+    A mutable mapping, not a ``dict``: ``dict(registry)`` or :meth:`copy` gives one.
     """
 
     def __init__(
@@ -66,6 +71,25 @@ class Registry(MutableMapping[str, type[T]], Generic[T]):
             )
         self._entries[name] = cls
 
+    def update(self, *args: Any, **kwargs: type[T]) -> None:  # type: ignore[override]
+        """Register every entry, or none: all are checked first."""
+        entries = dict(*args, **kwargs)
+        for name, cls in entries.items():
+            self._check_name(name)
+            self._check_class(name, cls)
+        for name, cls in entries.items():
+            self[name] = cls
+
+    def copy(self) -> dict[str, type[T]]:
+        """The entries as a plain ``dict`` (registering in it registers nothing here)."""
+        return dict(self._entries)
+
+    def __copy__(self) -> dict[str, type[T]]:
+        return self.copy()
+
+    def __or__(self, other: Mapping[str, type[T]]) -> dict[str, type[T]]:
+        return {**self._entries, **other}
+
     def __delitem__(self, name: str) -> None:
         del self._entries[name]
 
@@ -84,7 +108,8 @@ class Registry(MutableMapping[str, type[T]], Generic[T]):
         if _NAME.fullmatch(name) is None:
             raise ValueError(
                 f"{self._label}: a name must be non-empty, without whitespace, '+' or ',' "
-                f"(selector specs and comma-separated lists split on them), got {name!r}"
+                "(selector specs and comma-separated lists split on them) and not start with "
+                f"'-' (an option on the command line), got {name!r}"
             )
         if name in self._reserved:
             raise ValueError(
@@ -102,6 +127,13 @@ class Registry(MutableMapping[str, type[T]], Generic[T]):
             missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
             raise TypeError(
                 f"{self._kind} {name!r}: {cls.__name__} is abstract; it must implement {missing}"
+            )
+        own = getattr(cls, "name", None)
+        if own != name:
+            inherited = "" if "name" in vars(cls) else ", inherited"
+            raise ValueError(
+                f"{self._label}[{name!r}]: {cls.__name__}.name is {own!r}{inherited}; set "
+                f"name = {name!r} in the class (capture keys and reports use it)"
             )
 
 

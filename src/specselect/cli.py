@@ -43,6 +43,7 @@ from specselect.cost import CostFileError, CostModel, default_cost_model
 from specselect.replay import (
     OracleSelector,
     ResultRow,
+    SelectorConfig,
     TraceMismatchError,
     Traces,
     compare_live,
@@ -855,6 +856,7 @@ def _compare(args: argparse.Namespace) -> int:
     max_k = max(args.k) + max(args.extra)
     check_writable_dir("--out", args.out)
     cost_model = _cost_model(args)
+    _check_buildable(configs, cost_model)
     traces, inputs = obtain_traces(args, max_k)
     if args.mode == "live":
         if inputs is None:  # obtain_traces loads the models for live runs
@@ -888,6 +890,19 @@ def _compare(args: argparse.Namespace) -> int:
     for kind, path in written.items():
         print(f"{kind}: {path}")
     return 0
+
+
+def _check_buildable(configs: Sequence[SelectorConfig], cost_model: CostModel) -> None:
+    """Build every configuration once before any model runs: a selector of one's own whose
+    constructor does not take what its grid gives (a ``k``) fails here, not after recording."""
+    for config in configs:
+        try:
+            config.build(cost_model)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(
+                f"selector {config.label!r} cannot be built at this grid point ({exc}); a "
+                "selector whose constructor takes no k overrides the classmethod grid_kwargs"
+            ) from None
 
 
 def _meta(
@@ -1029,17 +1044,39 @@ def import_plugins(argv: Sequence[str]) -> None:
         UsageError: a module or file that does not exist. An error raised by the module's own
             code propagates with its traceback: it is the module's to fix.
     """
-    early = argparse.ArgumentParser(add_help=False)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    if command != "compare":  # only compare takes --import: the parser refuses it elsewhere
+        return
+    early = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     early.add_argument("--import", dest="imports", action="append", default=[])
-    for target in early.parse_known_args(argv)[0].imports:
+    try:
+        targets = early.parse_known_args(argv)[0].imports
+    except (argparse.ArgumentError, SystemExit):  # no value: compare's parser says so
+        return
+    for target in targets:
         if target.endswith(".py"):
             _import_file(Path(target))
+        elif "/" in target or os.sep in target or target.startswith("."):
+            raise UsageError(
+                f"--import: {target!r} is neither a module name nor a .py file (for a "
+                "package, give its name and run from the directory that holds it)"
+            )
         else:
             _import_module(target)
 
 
 def _import_module(name: str) -> None:
     here = os.getcwd()
+    top = name.partition(".")[0]
+    held = sys.modules.get(top)
+    local = [Path(here, f"{top}.py"), Path(here, top, "__init__.py")]
+    if held is not None and any(path.is_file() for path in local):
+        where = Path(getattr(held, "__file__", None) or "").resolve()
+        if where not in {path.resolve() for path in local}:  # another module of that name
+            raise UsageError(
+                f"--import: {top!r} names a module already imported ({held.__name__} from "
+                f"{str(where)!r}), not the one in the working directory; rename yours"
+            )
     added = here not in sys.path
     if added:
         sys.path.insert(0, here)
@@ -1073,11 +1110,18 @@ def _import_file(path: Path) -> None:
         raise UsageError(f"--import: cannot import {str(path)!r} as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its classes pickle and its own imports find it by name
+    folder = str(path.resolve().parent)  # as `python file.py` has: its neighbours import
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[spec.name]
         raise
+    finally:
+        if added:
+            sys.path.remove(folder)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
