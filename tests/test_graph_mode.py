@@ -45,6 +45,7 @@ from specselect.hf.generate import (
 )
 from specselect.hf.graphs import StageRunner
 from specselect.hf.steps import Step
+from specselect.selection import Selection, Selector
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -1048,10 +1049,15 @@ class Counting(FixedWindowSelector):
         self.updates = torch.zeros((), dtype=torch.int64)
         self.host_updates = 0
         self.made: torch.Tensor | None = None
+        self.seen: list[int] = []
+        self.big = list(range(5000))  # compared by length only: cheap to check
+        self.gone = weakref.proxy(torch.nn.Linear(1, 1))  # dead: the walk must not fail on it
 
     @property
     def capture_key(self) -> Hashable:
         key = (self.name, self.k)
+        if self.mistake == "int-token":  # an int equal to the token is not the token
+            return (*key, int(self.capture_token))
         return key if self.mistake == "no-token" else (*key, self.capture_token)
 
     def _update(self, selection: object, num_accepted: torch.Tensor, nodes: object) -> None:
@@ -1063,9 +1069,29 @@ class Counting(FixedWindowSelector):
             self.host_updates += 1
         if self.mistake == "made":
             self.made = torch.zeros(())
+        if self.mistake == "grows":
+            self.seen.append(1)
 
 
-def record_one_step(selector: Counting) -> None:
+class Composite(FixedWindowSelector):
+    """A selector built on another one, keyed by the inner one's key: right under replay."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self.inner = Counting(k)
+
+    @property
+    def capture_key(self) -> Hashable:
+        return ("composite", self.inner.capture_key)
+
+    def _select(self, draft_logprobs: torch.Tensor, active: torch.Tensor | None) -> Selection:
+        return self.inner.select(draft_logprobs, active)
+
+    def _update(self, selection: object, num_accepted: torch.Tensor, nodes: object) -> None:
+        self.inner.update(selection, num_accepted)  # type: ignore[arg-type]
+
+
+def record_one_step(selector: Selector) -> None:
     """One select + update inside :func:`recording_checked`, as a loop records them."""
     draft_logprobs = torch.rand(3, 2).log()
     with recording_checked(selector):
@@ -1080,6 +1106,8 @@ def record_one_step(selector: Counting) -> None:
         ("host", r"Counting.host_updates changed \(0 -> 1\) while select/update were"),
         ("made", "Counting.made was created while select/update were being recorded"),
         ("no-token", r"keeps tensors \(Counting.updates\) but its capture_key \('fixed', 2\)"),
+        ("int-token", r"keeps tensors \(Counting.updates\) but its capture_key \('fixed', 2, "),
+        ("grows", r"Counting.seen#len changed \(0 -> 1\) while select/update were"),
     ],
 )
 def test_recording_a_selector_refuses_what_a_replay_would_get_wrong(
@@ -1089,6 +1117,7 @@ def test_recording_a_selector_refuses_what_a_replay_would_get_wrong(
     so it must be refused while recording; the right selector, and host state made on first
     use (None -> a value), pass."""
     record_one_step(Counting(2))
+    record_one_step(Composite(2))  # the inner selector's per-call attributes are its own
     right = Counting(2)
     right.host_updates = None  # type: ignore[assignment]
     with recording_checked(right):

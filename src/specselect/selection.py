@@ -48,7 +48,17 @@ from specselect.topc import top_c_mask as top_c_mask  # public here too
 from specselect.tree import available_nodes, check_parents, path_minima, path_sums
 
 NEG_INF = float("-inf")
-_CAPTURE_TOKENS = itertools.count()  # see Selector.capture_token
+
+
+class CaptureToken(int):
+    """A :attr:`Selector.capture_token`: an int, of its own type so that a check can tell it
+    from any other int in a capture key."""
+
+    def __repr__(self) -> str:
+        return f"CaptureToken({int(self)})"
+
+
+_CAPTURE_TOKENS = map(CaptureToken, itertools.count())  # see Selector.capture_token
 
 
 @dataclass(frozen=True)
