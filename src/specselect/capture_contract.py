@@ -68,41 +68,45 @@ def recording_checked(selector: Selector) -> Iterator[None]:
     after = _state(selector)
     name = type(selector).__name__
     for path, held in before.items():
-        now = after.get(path, _GONE)
-        if isinstance(held, torch.Tensor):
-            if now is not held:
-                raise TypeError(
-                    f"{name}.{path} was rebound while select/update were being recorded for "
-                    "replay: a replay would keep updating the old tensor. Update state in "
-                    "place (copy_, add_, index_put_), clear a per-step scratch tensor before "
-                    "update returns, or return no capture_key"
-                )
-        # None -> a value is host state made on first use, which code outside the recording
-        # can make as well (the heuristic's windows, by observe); a tensor made so is not.
-        elif held is not None and not _same(held, now):
-            raise TypeError(
-                f"{name}.{path} changed ({held!r} -> {now!r}) while select/update were being "
-                "recorded for replay, which runs no Python: keep the value in a tensor updated "
-                "in place, or change it in observe() and make it part of capture_key"
-            )
+        _check_kept(f"{name}.{path}", held, after.get(path, _GONE))
     added = [
         path
         for path, value in after.items()
         if isinstance(value, Tensor) and not isinstance(before.get(path), Tensor)
     ]
-    tensors = [path for path, value in after.items() if isinstance(value, torch.Tensor)]
     if added:
         raise TypeError(
             f"{name}.{added[0]} was created while select/update were being recorded for "
             "replay: allocate state in the first call for a shape (a loop records a shape only "
             "after one call), or return no capture_key"
         )
+    tensors = [path for path, value in after.items() if isinstance(value, Tensor)]
     if tensors and not _holds(selector.capture_key, _tokens(selector)):
         raise TypeError(
             f"{name} keeps tensors ({name}.{tensors[0]}) but its capture_key "
             f"{selector.capture_key!r} lacks its capture_token: another {name} with an equal "
             "key would replay graphs recorded on this one's tensors; include "
             "self.capture_token in the key (a tuple may hold it)"
+        )
+
+
+def _check_kept(where: str, held: Any, now: Any) -> None:
+    """Refuse a tensor of the state rebound, or a host value of it changed, while recorded."""
+    if isinstance(held, Tensor):
+        if now is not held:
+            raise TypeError(
+                f"{where} was rebound while select/update were being recorded for replay: a "
+                "replay would keep updating the old tensor. Update state in place (copy_, "
+                "add_, index_put_), clear a per-step scratch tensor before update returns, or "
+                "return no capture_key"
+            )
+    # None -> a value is host state made on first use, which code outside the recording can
+    # make as well (the heuristic's windows, by observe); a tensor made so is "created" above.
+    elif held is not None and not _same(held, now):
+        raise TypeError(
+            f"{where} changed ({held!r} -> {now!r}) while select/update were being recorded "
+            "for replay, which runs no Python: keep the value in a tensor updated in place, or "
+            "change it in observe() and make it part of capture_key"
         )
 
 
@@ -137,7 +141,7 @@ def _attributes(value: object) -> list[tuple[str, Any]]:
 def _walk(value: Any, path: str, leaves: dict[str, Any], seen: set[int], depth: int) -> None:
     if type(value) in weakref.ProxyTypes:  # maybe dead: isinstance would touch it and raise
         return
-    if isinstance(value, (torch.Tensor, *_HOST)):
+    if isinstance(value, (Tensor, *_HOST)):
         leaves[path] = value
     elif isinstance(value, np.ndarray):
         leaves[path] = value.copy()

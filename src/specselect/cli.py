@@ -1077,11 +1077,9 @@ def _import_module(name: str) -> None:
                 f"--import: {top!r} names a module already imported ({held.__name__} from "
                 f"{str(where)!r}), not the one in the working directory; rename yours"
             )
-    added = here not in sys.path
-    if added:
-        sys.path.insert(0, here)
     try:
-        importlib.import_module(name)
+        with _first_on_path(here):  # as python -m finds it
+            importlib.import_module(name)
     except ModuleNotFoundError as exc:
         if exc.name is None or not (name == exc.name or name.startswith(f"{exc.name}.")):
             raise  # the module was found, and imports something missing itself
@@ -1089,9 +1087,6 @@ def _import_module(name: str) -> None:
             f"--import: no module named {name!r} in the working directory or on the Python "
             "path (to import a file, give its path ending in .py)"
         ) from None
-    finally:
-        if added:
-            sys.path.remove(here)
 
 
 def _import_file(path: Path) -> None:
@@ -1110,15 +1105,22 @@ def _import_file(path: Path) -> None:
         raise UsageError(f"--import: cannot import {str(path)!r} as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its classes pickle and its own imports find it by name
-    folder = str(path.resolve().parent)  # as `python file.py` has: its neighbours import
+    try:
+        with _first_on_path(str(path.resolve().parent)):  # as python file.py runs it
+            spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[spec.name]
+        raise
+
+
+@contextlib.contextmanager
+def _first_on_path(folder: str) -> Iterator[None]:
+    """``folder`` first on ``sys.path`` inside the block (unless it is on it already)."""
     added = folder not in sys.path
     if added:
         sys.path.insert(0, folder)
     try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[spec.name]
-        raise
+        yield
     finally:
         if added:
             sys.path.remove(folder)
@@ -1129,9 +1131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     try:
         import_plugins(arguments)
-    except UsageError as exc:
-        command = "compare" if "compare" in arguments else None
-        print(f"{' '.join(filter(None, ('specselect', command)))}: error: {exc}", file=sys.stderr)
+    except UsageError as exc:  # only compare imports
+        print(f"specselect compare: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     parser = build_parser()
     try:
