@@ -776,3 +776,19 @@ def test_the_h100_cost_files_fit_their_samples_as_documented(name: str, bound: f
     assert (model.source.mode, model.source.dtype) == ("cuda", "bfloat16")
     assert model.source.hardware.startswith("NVIDIA H100")
     assert max(model.relative_errors()) < bound
+
+
+def test_samples_are_kept_as_plain_numbers_and_need_their_part() -> None:
+    """NumPy numbers pass the checks and are stored as Python's (a save would fail on them);
+    draft samples without a draft part are refused (every summary of the model would fail)."""
+    exact = [
+        CostSample("verify", np.int64(b), np.int64(b * w), np.float64(0.0), 8e-3 + 1e-4 * b * w)
+        for b in (1, 2, 4)
+        for w in (1, 2)
+    ]
+    model = CostModel(None, PassCost(8e-3, per_token=1e-4), samples=exact)
+    assert all(type(s.batch) is int and type(s.seconds) is float for s in model.samples)
+    json.dumps(model.summary())  # plain numbers all the way
+    draft = CostSample("draft", 1, 1, 0.0, 1e-3)
+    with pytest.raises(ValueError, match="draft samples but no draft part"):
+        CostModel(None, PassCost(8e-3), samples=[draft])

@@ -26,6 +26,7 @@ import importlib
 import importlib.util
 import os
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -991,6 +992,9 @@ def run_profile(args: argparse.Namespace) -> int:
             "to it, which would overwrite the cost model; name the JSON file (e.g. cost.json)"
         )
     check_writable_dir(f"--out {str(args.out)!r}", args.out.parent)
+    plot = args.out.with_suffix(PLOT_SUFFIX)
+    if plot.is_dir() and not args.no_plots:  # before the timing: the plot would fail after it
+        raise UsageError(f"--out {str(args.out)!r}: its plot's path {str(plot)!r} is a directory")
     with _run_settings(args):
         target, draft = _shipped(args)[:2] if args.target is None else _from_dirs(args)[:2]
         try:
@@ -1011,13 +1015,33 @@ def run_profile(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
     written = {"json": model.save(args.out)}
     model = CostModel.load(written["json"])  # what compare --cost-model will read
+    _warn_poor_fit(model)
     if _draw_plots(args):
-        written["plot"] = plot_cost_model(model, args.out.with_suffix(PLOT_SUFFIX))
+        written["plot"] = plot_cost_model(model, plot)
     print(format_cost_model(model))
     print()
     for kind, path in written.items():
         print(f"{kind}: {path}")
     return 0
+
+
+#: ``profile`` warns when its fit misses its own samples by more than these (median, max):
+#: the bounds the shipped CPU model is held to (5% and 29% measured).
+FIT_WARNING = (0.10, 0.35)
+
+
+def _warn_poor_fit(model: CostModel) -> None:
+    """Say so when the fit misses its own samples by more than :data:`FIT_WARNING`: noisy
+    timings (a busy machine) or passes the model's terms do not describe."""
+    errors = model.relative_errors()
+    median, worst = statistics.median(errors), max(errors)
+    if median > FIT_WARNING[0] or worst > FIT_WARNING[1]:
+        _warn(
+            f"the fit misses its own samples by {median:.0%} at the median and {worst:.0%} at "
+            f"most (more than {FIT_WARNING[0]:.0%} and {FIT_WARNING[1]:.0%}): the timings were "
+            "noisy or the passes do not follow the model's terms; on a busy machine try "
+            "--statistic min, more --repeats, or fewer --threads"
+        )
 
 
 def _draw_plots(args: argparse.Namespace) -> bool:

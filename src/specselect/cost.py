@@ -259,9 +259,19 @@ class CostModel:
             raise TypeError(
                 f"CostModel.source must be a CostSource or None, got {type(self.source).__name__}"
             )
-        object.__setattr__(self, "samples", tuple(self.samples))
         for i, sample in enumerate(self.samples):
             _check_sample(i, sample)
+        # Plain ints and floats (numpy's would pass the checks, and not save as JSON).
+        samples = tuple(
+            CostSample(s.kind, int(s.batch), int(s.tokens), float(s.context), float(s.seconds))
+            for s in self.samples
+        )
+        object.__setattr__(self, "samples", samples)
+        if self.draft is None and any(s.kind == "draft" for s in samples):
+            raise ValueError(
+                "CostModel has draft samples but no draft part (draft=None): fit them, or leave "
+                "them out"
+            )
 
     # ------------------------------------------------------------------ construction
     @classmethod
