@@ -52,33 +52,18 @@ class Registry(MutableMapping[str, type[T]], Generic[T]):
         self._entries: dict[str, type[T]] = {}
         self.update(entries)
 
-    @property
-    def reserved(self) -> Mapping[str, str]:
-        """Names that cannot be registered, and what they mean instead."""
-        return dict(self._reserved)
-
     def __getitem__(self, name: str) -> type[T]:
         return self._entries[name]
 
     def __setitem__(self, name: str, cls: type[T]) -> None:
-        self._check_name(name)
-        self._check_class(name, cls)
-        held = self._entries.get(name)
-        if held is not None and _qualified(held) != _qualified(cls):
-            raise ValueError(
-                f"{self._kind} {name!r} is already registered as {_qualified(held)}; to replace "
-                f"it with {_qualified(cls)}, delete the entry first (del {self._label}[{name!r}])"
-            )
-        self._entries[name] = cls
+        self.update({name: cls})
 
     def update(self, *args: Any, **kwargs: type[T]) -> None:  # type: ignore[override]
         """Register every entry, or none: all are checked first."""
         entries = dict(*args, **kwargs)
         for name, cls in entries.items():
-            self._check_name(name)
-            self._check_class(name, cls)
-        for name, cls in entries.items():
-            self[name] = cls
+            self._check(name, cls)
+        self._entries.update(entries)
 
     def copy(self) -> dict[str, type[T]]:
         """The entries as a plain ``dict`` (registering in it registers nothing here)."""
@@ -101,6 +86,17 @@ class Registry(MutableMapping[str, type[T]], Generic[T]):
 
     def __repr__(self) -> str:
         return f"{self._label}({', '.join(self._entries)})"
+
+    def _check(self, name: Any, cls: Any) -> None:
+        """Refuse what a later lookup could not use (see the class docstring)."""
+        self._check_name(name)
+        self._check_class(name, cls)
+        held = self._entries.get(name)
+        if held is not None and _qualified(held) != _qualified(cls):
+            raise ValueError(
+                f"{self._kind} {name!r} is already registered as {_qualified(held)}; to replace "
+                f"it with {_qualified(cls)}, delete the entry first (del {self._label}[{name!r}])"
+            )
 
     def _check_name(self, name: object) -> None:
         if not isinstance(name, str):
