@@ -22,7 +22,7 @@ import specselect
 from conftest import plant_timings
 from specselect import cli
 from specselect.cli import SEED_DEPRECATED, default_selectors, main
-from specselect.cost import CostModel, default_cost_model
+from specselect.cost import CostModel, CostSource, default_cost_model
 from specselect.metrics import Totals
 from specselect.replay import (
     OracleSelector,
@@ -128,7 +128,9 @@ def compare_run(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFa
 
 def test_compare_writes_table_json_report_and_plots(compare_run: dict) -> None:
     assert compare_run["code"] == 0, compare_run["stderr"]
-    assert compare_run["stderr"] == ""  # --quiet: not even transformers' "Loading weights"
+    # --quiet: not even transformers' "Loading weights"; only the warning that the shipped cost
+    # model prices other models (test_compare_marks_a_cost_model_of_other_models_a_what_if)
+    assert warned(compare_run["stderr"]) == []
     out: Path = compare_run["out"]
     table = compare_run["stdout"]
     for name in [*SELECTORS, "oracle"]:
@@ -471,6 +473,16 @@ def test_incompatible_traces_exit_2(
     assert code == 2 and message in stderr and "Traceback" not in stderr
 
 
+#: How compare warns that its cost model prices other models than the traces': the shipped
+#: pair's does, in every run on the test models without --cost-model.
+WHAT_IF_WARNING = "specselect: warning: the cost model was not measured on the traces' models"
+
+
+def warned(stderr: str) -> list[str]:
+    """The lines of ``stderr`` but the what-if warning (see WHAT_IF_WARNING)."""
+    return [line for line in stderr.splitlines() if not line.startswith(WHAT_IF_WARNING)]
+
+
 def _reuse(compare_run: dict, out: Path, *args: str, traces: Path | None = None) -> tuple:
     """``compare`` on the saved traces of ``compare_run`` (small grid, no plots)."""
     path = traces if traces is not None else compare_run["out"] / "traces.pt"
@@ -526,12 +538,12 @@ def test_reused_traces_matching_inputs_and_limit_warning(
     same = ["--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"])]
     same += ["--prompts", str(model_dirs["prompts"])]
     code, _, stderr = _reuse(compare_run, tmp_path / "a", *same, "--limit", "2")
-    assert code == 0 and "warning" not in stderr, stderr
+    assert code == 0 and warned(stderr) == [], stderr
     results = json.loads((tmp_path / "a" / "results.json").read_text(encoding="utf-8"))
     assert results["meta"]["traces"]["requests"] == 2
     code, _, stderr = _reuse(compare_run, tmp_path / "b", "--limit", "9")
     assert code == 0, stderr
-    warnings = [line for line in stderr.splitlines() if "warning" in line]
+    warnings = warned(stderr)
     assert len(warnings) == 1 and "--limit 9" in warnings[0] and "(4)" in warnings[0]
     results = json.loads((tmp_path / "b" / "results.json").read_text(encoding="utf-8"))
     assert results["meta"]["traces"]["requests"] == 4
@@ -629,7 +641,7 @@ def test_compare_without_matplotlib_warns_once(
     grid = ["--selectors", "tetris", "--k", "1", "--extra", "1", "--slots", "2", "--quiet"]
     code, _, stderr = run_main(["compare", *traces, "--out", str(tmp_path), *grid])
     assert code == 0, stderr
-    assert stderr.splitlines() == [f"specselect: warning: {PLOTS_SKIPPED}"]
+    assert warned(stderr) == [f"specselect: warning: {PLOTS_SKIPPED}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "results.json"]
 
 
@@ -835,7 +847,7 @@ def test_limit_beyond_the_prompts_warns(model_dirs: dict[str, Path], tmp_path: P
         ]
     )
     assert code == 0, stderr
-    assert stderr.splitlines() == [
+    assert warned(stderr) == [
         "specselect: warning: --limit 9 is more than the 5 prompts given; using those 5"
     ]
     results = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
@@ -884,7 +896,7 @@ def test_compare_draws_no_random_numbers(compare_run: dict, tmp_path: Path) -> N
         code, _, stderr = _reuse(compare_run, tmp_path / name, *seed)
         assert code == 0, stderr
         warnings = [f"specselect: warning: {SEED_DEPRECATED}"] if seed else []
-        assert stderr.splitlines() == warnings
+        assert warned(stderr) == warnings
         results.append(json.loads((tmp_path / name / "results.json").read_text(encoding="utf-8")))
         assert torch.equal(torch.random.get_rng_state(), before)
     unseeded, seeded = results
@@ -992,7 +1004,7 @@ def test_compare_uses_the_shipped_cost_model_and_says_so(compare_run: dict) -> N
     match a replay with it: test_compare_numbers_match_the_library), and the table, the report
     and results.json name it."""
     shipped = default_cost_model()
-    described = shipped.describe()
+    described = shipped.describe() + WHAT_IF  # (the test models are not the shipped pair)
     assert described.startswith("cost-cpu.json: CPU ") and "eager" in described
     assert compare_run["stdout"].splitlines()[0] == f"modelled goodput: cost model {described}"
     meta = json.loads((compare_run["out"] / "results.json").read_text(encoding="utf-8"))["meta"]
@@ -1002,6 +1014,38 @@ def test_compare_uses_the_shipped_cost_model_and_says_so(compare_run: dict) -> N
     assert f"cost model `{described}`" in (compare_run["out"] / "report.md").read_text(
         encoding="utf-8"
     )
+
+
+WHAT_IF = " (of other models: a what-if)"
+
+
+def test_compare_marks_a_cost_model_of_other_models_a_what_if(
+    compare_run: dict, tmp_path: Path
+) -> None:
+    """The shipped cost model prices the shipped pair. Replaying other models' traces with it
+    (compare_run's test models), compare warns, names what differs, and the table and
+    results.json mark it a what-if; a cost model measured on the traces' models is not."""
+    shipped = default_cost_model().source
+    assert shipped is not None
+    (warning,) = compare_run["stderr"].splitlines()
+    assert warning.startswith(f"{WHAT_IF_WARNING} (target ") and warned(warning) == []
+    traces = load_traces(compare_run["out"] / "traces.pt")
+    for role in ("target", "draft"):
+        mine, recorded = shipped.models[role]["parameters"], traces.meta[role]["parameters"]
+        assert f"{role} parameters {mine} (the traces': {recorded})" in warning
+    meta = json.loads((compare_run["out"] / "results.json").read_text(encoding="utf-8"))["meta"]
+    assert len(meta["cost_model"]["other_models"]) == 2
+    assert compare_run["stdout"].splitlines()[0].endswith(WHAT_IF)
+    models = {role: traces.meta[role] for role in ("target", "draft")}
+    own = replace(
+        CostModel.linear((1e-3, 0.0, 0.0), (1e-2, 1e-4, 0.0)),
+        source=CostSource("a CPU", "float32", "eager", models=models),
+    )
+    path = own.save(tmp_path / "own.json")
+    code, stdout, stderr = _reuse(compare_run, tmp_path / "out", "--cost-model", str(path))
+    assert (code, stderr) == (0, "")
+    described = CostModel.load(path).describe()
+    assert stdout.splitlines()[0] == f"modelled goodput: cost model {described}"
 
 
 def test_compare_cost_model_option(compare_run: dict, tmp_path: Path) -> None:

@@ -7,11 +7,12 @@ dependency, independent of the numpy-only solver under test).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ from scipy.optimize import nnls
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import plant_timings
-from hf_models import tiny_model
+from hf_models import left_padded_prompts, tiny_model
+from specselect import make_selector
 from specselect.cost import (
     COST_FORMAT,
     COST_VERSION,
@@ -34,7 +36,8 @@ from specselect.cost import (
     PassCost,
     default_cost_model,
 )
-from specselect.hf import emulate_on_cpu
+from specselect.hf import emulate_on_cpu, speculative_generate
+from specselect.hf.kv import ModelCache, aligned
 
 CONTEXTS = (128.0, 512.0)
 BATCHES = (1, 4, 16, 64)
@@ -320,6 +323,9 @@ BAD_SIZES = [
     ("draft_time", (2, 4, "long"), TypeError, "context must be a float >= 0, got str"),
     ("step_time", (2, 3, -1), ValueError, "verified must be >= 0, got -1"),
     ("step_time", (-2, 3, 1), ValueError, "batch must be >= 0, got -2"),
+    ("predict", (CostSample("drafts", 1, 1, 0.0, 0.1),), ValueError, "sample.kind must be"),
+    ("predict", (CostSample("verify", 4, 2, 0.0, 0.1),), ValueError, "sample.tokens must be >="),
+    ("predict", ((1, 1, 0.0),), TypeError, "sample must be a CostSample, got tuple"),
 ]
 
 
@@ -369,6 +375,12 @@ BAD_CONSTRUCTION: list[tuple[Callable[[], Any], type, str]] = [
         TypeError,
         "samples[0] must be a CostSample",
     ),  # type: ignore[arg-type]
+    (
+        lambda: CostSource("cpu", "float32", "eager", models=["target"]),
+        TypeError,
+        "CostSource.models must be a mapping, got list",
+    ),  # type: ignore[arg-type]
+    (lambda: CostSource(3, "float32", "eager"), TypeError, "CostSource.hardware must be a str"),  # type: ignore[arg-type]
     (lambda: PassCost("abc"), TypeError, "PassCost.fixed must be a float >= 0, got str"),  # type: ignore[arg-type]
     (lambda: PassCost(1.0, per_row=-1e-3), ValueError, "PassCost.per_row must be a finite"),
     (lambda: PassCost(1.0, per_token=math.inf), ValueError, "PassCost.per_token must be a finite"),
@@ -685,6 +697,43 @@ def test_measure_in_graph_mode_runs_captured_stages(tiny_pair: tuple[Any, Any]) 
         traced = CostModel.measure(*tiny_pair, cuda_graphs=True, warmup=1, progress=False, **grid)
     assert traced.source is not None and traced.source.mode == "trace"
     assert len(traced.samples) == 6
+
+
+@contextlib.contextmanager
+def attended_spans() -> Iterator[list[tuple[int, int, int]]]:
+    """``(columns written once the pass is done, columns it attends over, capacity)`` of every
+    pass through a :class:`ModelCache` inside the block."""
+    spans: list[tuple[int, int, int]] = []
+    forward = ModelCache.forward
+
+    def spy(self: ModelCache, *args: Any, **kwargs: Any) -> Any:
+        spans.append((self.used, self.kv.span, self.capacity))
+        return forward(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ModelCache, "forward", spy)
+        yield spans
+
+
+@pytest.mark.usefixtures("planted_timings")  # (spans, not times, are what this checks)
+def test_profiled_passes_attend_over_what_the_loops_would(tiny_pair: tuple[Any, Any]) -> None:
+    """Eagerly a pass attends over the columns written, its own included, rounded up to the
+    alignment (and at most the capacity): in the loop, and so in the profiler, whose pass of
+    width ``W`` at context ``c`` attends over ``aligned(c + W)`` columns. It used to attend over
+    ``c`` plus the widest ``W`` of the grid at every width, 136 columns at context 128 where
+    the loop's passes took up to 192 (a tenth less time for 32 rows of the shipped target)."""
+    contexts, widths = (5, 40), (1, 2, 20)
+    with attended_spans() as profiled:
+        grid = {"batch_sizes": (1, 2), "widths": widths, "contexts": contexts}
+        CostModel.measure(*tiny_pair, repeats=1, warmup=1, progress=False, **grid)
+    expected = {(c + w, aligned(c + w)) for c in contexts for w in widths}
+    assert {(used, span) for used, span, _ in profiled} == expected
+    ids, mask = left_padded_prompts(3, 3, 10, 128, 0)
+    fixed = make_selector("fixed", k=3)
+    with attended_spans() as looped:
+        speculative_generate(*tiny_pair, ids, mask, selector=fixed, max_new_tokens=40)
+    assert all(span == min(aligned(used), capacity) for used, span, capacity in looped)
+    assert len({span for _, span, _ in looped}) >= 3  # spans grow with the written columns
 
 
 BAD_MEASURE = [

@@ -39,11 +39,11 @@ from specselect.hf.generate import (
     CPU_EAGER_READS_PER_STEP,
     DEFAULT_CACHE_SLACK,
     HOST_READS_PER_STEP,
-    SPAN_ALIGNMENT,
     graph_mode,
     release_workspace,
 )
 from specselect.hf.graphs import StageRunner
+from specselect.hf.kv import SPAN_ALIGNMENT
 from specselect.hf.steps import Step
 from specselect.selection import Selection, Selector
 

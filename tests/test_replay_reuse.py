@@ -11,12 +11,15 @@ from typing import Any
 import pytest
 import torch
 
+from specselect.cost import CostModel, CostSource
 from specselect.models import TINY_PAIR_DIR
 from specselect.replay import (
     TraceMismatchError,
     Traces,
     compare_live,
     compare_replay,
+    cost_model_differences,
+    describe_model,
     record_traces,
     reuse_traces,
     selector_grid,
@@ -37,6 +40,32 @@ def recording() -> dict[str, Any]:
     traces = record_traces(target, draft, prompts, MAX_NEW_TOKENS, MAX_K)
     other, _ = build_tiny_pair(seed=3, vocab=VOCAB + 1)
     return {"target": target, "draft": draft, "prompts": prompts, "traces": traces, "other": other}
+
+
+def _cost_model_of(models: dict[str, Any]) -> CostModel:
+    """A cost model whose source describes ``models`` (as ``specselect profile`` records them)."""
+    source = CostSource("a CPU", "float32", "eager", models=models)
+    return replace(CostModel.linear((1e-3, 0.0, 0.0), (1e-2, 1e-4, 0.0)), source=source)
+
+
+def test_cost_model_differences_name_other_models(recording: dict[str, Any]) -> None:
+    """Class and parameter count tell a cost model of other models; a path or a dtype does not
+    (the same models, measured elsewhere or in another dtype); free text cannot show that it
+    describes the traces' models; a hand-made model has nothing to compare."""
+    traces = recording["traces"]
+    mine = {role: describe_model(recording[role]) for role in ("target", "draft")}
+    moved = {
+        role: {**d, "name_or_path": "/elsewhere", "dtype": "bfloat16"} for role, d in mine.items()
+    }
+    assert cost_model_differences(traces, _cost_model_of(moved)) == []
+    assert cost_model_differences(traces, CostModel.linear((1e-3, 0, 0), (1e-2, 0, 0))) == []
+    other = {**mine, "target": describe_model(recording["other"])}
+    (difference,) = cost_model_differences(traces, _cost_model_of(other))
+    theirs, recorded = other["target"]["parameters"], mine["target"]["parameters"]
+    assert difference == f"target parameters {theirs} (the traces': {recorded})"
+    text = {**mine, "draft": "a 74M Llama"}
+    (difference,) = cost_model_differences(traces, _cost_model_of(text))
+    assert difference.startswith("draft described as 'a 74M Llama' (the traces': 'Llama")
 
 
 def _reuse(recording: dict[str, Any], **changes: Any) -> Traces:

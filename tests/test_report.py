@@ -239,6 +239,20 @@ def test_report_without_matplotlib_writes_results_and_warns_once(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "results.json"]
 
 
+def test_results_json_is_json_with_infinite_values(tmp_path: Path) -> None:
+    """A cost model fitted to a sample timed at 0 s misses it infinitely; results.json says
+    "inf" where Python's json would write ``Infinity``, which is not JSON."""
+    meta = {"cost_model": {"max_relative_error": math.inf, "errors": [0.1, -math.inf]}}
+    written = write_report(grid_rows(), tmp_path, meta, plots=False)
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    text = written["json"].read_text(encoding="utf-8")
+    results = json.loads(text, parse_constant=refuse)
+    assert results["meta"]["cost_model"] == {"max_relative_error": "inf", "errors": [0.1, "-inf"]}
+
+
 # Writes a report holding non-ASCII text: "→" (the reliability table) and "é" (a setup value).
 _REPORT_CHILD = """
 import sys

@@ -49,6 +49,7 @@ from specselect.replay import (
     Traces,
     compare_live,
     compare_replay,
+    cost_model_differences,
     load_traces,
     record_traces,
     reuse_traces,
@@ -859,6 +860,7 @@ def _compare(args: argparse.Namespace) -> int:
     cost_model = _cost_model(args)
     _check_buildable(configs, cost_model)
     traces, inputs = obtain_traces(args, max_k)
+    cost = _cost_summary(cost_model, traces)
     if args.mode == "live":
         if inputs is None:  # obtain_traces loads the models for live runs
             raise UsageError("--mode live needs the models")
@@ -879,14 +881,14 @@ def _compare(args: argparse.Namespace) -> int:
     else:
         replayed = compare_replay(traces, configs, args.slots, cost_model, progress=not args.quiet)
         rows = [ResultRow.replayed(config, result) for config, result in replayed]
-    meta = _meta(args, traces, inputs is not None, cost_model, time.perf_counter() - began)
+    meta = _meta(args, traces, inputs is not None, cost, time.perf_counter() - began)
     try:
         written = write_report(rows, args.out, meta, plots=_draw_plots(args))
     except OSError as exc:
         raise UsageError(
             f"--out {str(args.out)!r}: cannot write the report: {_reason(exc)}"
         ) from None
-    print(format_table(rows, cost_model=cost_model.describe()))
+    print(format_table(rows, cost_model=cost["description"]))
     print()
     for kind, path in written.items():
         print(f"{kind}: {path}")
@@ -906,11 +908,28 @@ def _check_buildable(configs: Sequence[SelectorConfig], cost_model: CostModel) -
             ) from None
 
 
+def _cost_summary(cost: CostModel, traces: Traces) -> dict[str, Any]:
+    """What the report records of the cost model (:meth:`CostModel.summary`); marked, in its
+    description too, and warned about, when it was not measured on the traces' models."""
+    summary = cost.summary()
+    differences = cost_model_differences(traces, cost)
+    if differences:
+        _warn(
+            f"the cost model was not measured on the traces' models ({'; '.join(differences)}): "
+            "modelled goodput prices these runs as if their passes cost what its models' do, a "
+            "what-if"
+        )
+        summary["description"] += " (of other models: a what-if)"
+        summary["other_models"] = differences
+    return summary
+
+
 def _meta(
-    args: argparse.Namespace, traces: Traces, loaded: bool, cost: CostModel, seconds: float
+    args: argparse.Namespace, traces: Traces, loaded: bool, cost: dict[str, Any], seconds: float
 ) -> dict:
     """What results.json and the report's Setup record of the run (``loaded``: whether this
-    run loaded the models, rather than replaying ``--traces`` alone)."""
+    run loaded the models, rather than replaying ``--traces`` alone; ``cost``: the cost
+    model's summary)."""
     return {
         "command": shlex.join(["specselect", *args.argv]),
         "mode": args.mode,
@@ -922,7 +941,7 @@ def _meta(
         "budget": args.budget,
         **_models_setup(args, traces, loaded),
         "threads": torch.get_num_threads(),
-        "cost_model": cost.summary(),
+        "cost_model": cost,
         "traces": traces_summary(traces),
         "models": {key: traces.meta.get(key) for key in ("target", "draft", "source")},
         "versions": traces.meta.get("versions"),

@@ -208,6 +208,23 @@ class CostSource:
     details: Mapping[str, Any] = field(default_factory=dict)
     note: str = ""
 
+    def __post_init__(self) -> None:
+        """Refuse fields of the wrong type here, not when a report or a comparison reads
+        them (a file's are checked when it loads, with the file named)."""
+        for name, kind, expected in (
+            ("hardware", str, "a str"),
+            ("dtype", str, "a str"),
+            ("mode", str, "a str"),
+            ("versions", Mapping, "a mapping"),
+            ("models", Mapping, "a mapping"),
+            ("grid", Mapping, "a mapping"),
+            ("details", Mapping, "a mapping"),
+            ("note", str, "a str"),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise TypeError(f"CostSource.{name} must be {expected}, got {type(value).__name__}")
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -260,7 +277,7 @@ class CostModel:
                 f"CostModel.source must be a CostSource or None, got {type(self.source).__name__}"
             )
         for i, sample in enumerate(self.samples):
-            _check_sample(i, sample)
+            _check_sample(f"samples[{i}]", sample)
         # Plain ints and floats (numpy's would pass the checks, and not save as JSON).
         samples = tuple(
             CostSample(s.kind, int(s.batch), int(s.tokens), float(s.context), float(s.seconds))
@@ -326,7 +343,7 @@ class CostModel:
         rows = list(samples)
         by_kind: dict[str, list[CostSample]] = {"draft": [], "verify": []}
         for i, s in enumerate(rows):
-            _check_sample(i, s)
+            _check_sample(f"samples[{i}]", s)
             by_kind[s.kind].append(s)
         if not by_kind["verify"]:
             raise ValueError(
@@ -483,7 +500,13 @@ class CostModel:
         )
 
     def predict(self, sample: CostSample) -> float:
-        """The model's seconds for the pass(es) a sample timed."""
+        """The model's seconds for the pass(es) a sample timed.
+
+        Raises:
+            TypeError, ValueError: ``sample`` is not a sample a fit could use (its kind,
+                sizes, context and seconds are checked as :meth:`fit` checks them).
+        """
+        _check_sample("sample", sample)
         if sample.kind == "draft":
             return self.draft_time(sample.batch, sample.tokens, sample.context)
         return self.verify_time(sample.batch, sample.tokens, sample.context)
@@ -632,9 +655,8 @@ def _three(name: str, value: object) -> tuple[float, float, float]:
     return (a, b, c)
 
 
-def _check_sample(i: int, s: object) -> None:
-    """Raise, naming ``samples[i].field``, unless ``s`` is a sample that the fit can use."""
-    name = f"samples[{i}]"
+def _check_sample(name: str, s: object) -> None:
+    """Raise, naming ``<name>.field``, unless ``s`` is a sample that the fit can use."""
     if not isinstance(s, CostSample):
         raise TypeError(f"{name} must be a CostSample, got {type(s).__name__}")
     if s.kind not in ("draft", "verify"):
@@ -939,7 +961,7 @@ def _sample_from_json(obj: object, index: int) -> CostSample:
         context=float(_key(obj, "context", float, where)),
         seconds=float(_key(obj, "seconds", float, where)),
     )
-    _check_sample(index, sample)
+    _check_sample(f"samples[{index}]", sample)
     return sample
 
 

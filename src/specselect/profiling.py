@@ -13,7 +13,10 @@ replayed. For every context length and batch size of the grid it times
 
 Each pass writes the same cache columns again and again (the write position is rewound between
 calls), over a cache whose first ``context`` columns per row count as tokens of the sequence:
-they hold zeros instead of real keys and values, which costs the same. Every timing is
+they hold zeros instead of real keys and values, which costs the same. A pass attends over
+the columns the loop's pass would at that many written columns (eagerly the written ones and
+its own rounded up to :data:`~specselect.hf.kv.SPAN_ALIGNMENT`; in graph mode the whole
+capacity, ``context`` plus the widest pass, aligned likewise). Every timing is
 synchronised with the device. The first calls of a shape are warm-up (graph mode captures
 there); then every shape of a context is timed once per round, ``repeats`` rounds, so that a
 slow spell of a shared machine slows every shape a little rather than one shape a lot. A
@@ -227,7 +230,8 @@ class _Pass:
 
     def time_once(self) -> float:
         """Seconds of one synchronised call through the stage runner."""
-        self.cache.pos.fill_(self.context)
+        self.cache.rewind(self.context)
+        self.cache.reserve(self.width)  # (eager mode: the span the loop's pass would attend)
         _synchronize(self.device)
         start = time.perf_counter()
         self.runner((self.kind, self.width), self.stage)
@@ -247,16 +251,20 @@ def _cache_for(
 ) -> tuple[ModelCache, StageRunner]:
     """A static cache of ``batch`` rows whose first ``context`` columns count as cached tokens
     (zeros: they cost what real keys and values cost), room for the widest pass, and a stage
-    runner for it. One eager pass allocates its buffers, as the loop's prefill does: never
-    inside a stage."""
+    runner for it. Its passes attend over what the loop's would at ``context`` written columns:
+    eagerly over those and the pass's own, rounded up to the alignment; in graph mode over the
+    whole (aligned) capacity. One eager pass allocates its buffers, as the loop's prefill
+    does: never inside a stage."""
     from specselect.hf.graphs import StageRunner
     from specselect.hf.kv import ModelCache
 
-    cache = ModelCache(handle, slots=batch, capacity=_capacity(context, widths))
+    capacity = _capacity(context, widths)
+    cache = ModelCache(handle, slots=batch, capacity=capacity, static_span=mode != "eager")
     cache.valid[:, :context] = True
     cache.count.fill_(context)
     cache.mark.fill_(context)
-    cache.pos.fill_(context)
+    cache.rewind(context)
+    cache.reserve(1)
     ids = torch.zeros(batch, 1, dtype=torch.int64, device=handle.device)  # [B, 1]
     cache.forward(ids, torch.ones_like(ids, dtype=torch.bool), last_only=True)
     return cache, StageRunner(mode)
@@ -293,8 +301,11 @@ def _caches(
 
 
 def _capacity(context: int, widths: Sequence[int]) -> int:
-    """Columns per row of a cache at ``context``: room for its widest pass after it."""
-    return context + max(widths)
+    """Columns per row of a cache at ``context``: room for its widest pass after it, aligned
+    as the loop aligns its caches."""
+    from specselect.hf.kv import aligned
+
+    return aligned(context + max(widths))
 
 
 def _memory_needs(

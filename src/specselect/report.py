@@ -27,6 +27,7 @@ matplotlib is imported only when plots are drawn, and through its object-oriente
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
@@ -715,7 +716,10 @@ def write_report(
     written = {"json": out / "results.json", "markdown": out / "report.md"}
     # UTF-8 whatever the locale: the report holds non-ASCII text (arrows, model and file names).
     written["json"].write_text(
-        json.dumps(results_json(rows, meta), indent=2, default=_json_default), encoding="utf-8"
+        json.dumps(
+            _finite(results_json(rows, meta)), indent=2, default=_json_default, allow_nan=False
+        ),
+        encoding="utf-8",
     )
     markdown = markdown_report(rows, meta, [PLOT_FILES[k] for k in kinds])
     written["markdown"].write_text(markdown, encoding="utf-8")
@@ -756,6 +760,19 @@ def _warn_if_no_matplotlib() -> bool:
     if missing:
         warnings.warn(PLOTS_SKIPPED, RuntimeWarning, stacklevel=3)
     return missing
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every infinite or NaN float written as its string (``"inf"``): JSON has
+    neither (Python's ``Infinity`` is not JSON, and other readers refuse the file). A fit's
+    error on a sample timed at 0 s, for one, is infinite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _json_default(value: Any) -> str:

@@ -74,6 +74,7 @@ from specselect.hf.graphs import (
     capture_failure,
     emulating_on_cpu,
 )
+from specselect.hf.kv import aligned
 from specselect.hf.memory import CacheNeed, check_memory
 from specselect.hf.options import UNSET, GenerationOptions, resolve_options
 from specselect.hf.state import CacheFull, GenerationState, GenerationStats, Layout, PhaseClock
@@ -479,11 +480,6 @@ class _Workspace:
             self.runner.forget(lambda key: Step.captured_selector(key) == old)
 
 
-#: Graph mode's cache capacity is a multiple of this: every pass attends over all of it, and
-#: PyTorch's memory-efficient attention copies a mask whose rows are not 16-element aligned,
-#: once per layer and pass.
-SPAN_ALIGNMENT = 16
-
 #: Selectors whose captures a kept workspace holds (see :meth:`_Workspace.retain`).
 KEPT_SELECTORS = 4
 
@@ -674,7 +670,7 @@ class _Loop:
         row plus the slack (and a step's tree)."""
         capacity = prompt + self.options.max_new_tokens + self.slack + self._tree_columns()
         if graphs:  # every pass attends over the whole capacity: keep its rows aligned
-            capacity = -(-capacity // SPAN_ALIGNMENT) * SPAN_ALIGNMENT
+            capacity = aligned(capacity)
         return Layout(
             slots=max(bucket_for(min(batch, self.limit), graphs), 1),
             capacity=capacity,
@@ -692,12 +688,13 @@ class _Loop:
         """Refuse caches that cannot fit before allocating them (:mod:`specselect.hf.memory`).
 
         The widest mask is the prefill's (``prompt - 1`` tokens over the whole capacity in
-        graph mode, over at least as many columns eagerly) or a tree step's (its root and
+        graph mode, over them rounded up to the alignment eagerly) or a tree step's (its root and
         nodes over the whole capacity; the draft's ancestor table of a tree, nodes by nodes,
         is no larger): a tree spec of thousands of nodes must be refused here, not after
         minutes of drafting.
         """
-        passes = [(prompt - 1, layout.capacity if self.mode != "eager" else prompt - 1)]
+        eager_span = min(aligned(prompt - 1), layout.capacity)
+        passes = [(prompt - 1, layout.capacity if self.mode != "eager" else eager_span)]
         if self.tree is not None:
             passes.append((1 + self.tree.num_nodes, layout.capacity))
         width, span = max(passes, key=lambda tokens_span: tokens_span[0] * tokens_span[1])
@@ -707,7 +704,7 @@ class _Loop:
             if handle is not None
         ]
         new, tree = self.options.max_new_tokens, self._tree_columns()
-        aligned = layout.capacity - prompt - new - self.slack - tree
+        padding = layout.capacity - prompt - new - self.slack - tree
         rows = f"{layout.batch} rows" + (
             f" ({layout.slots} cache slots)" if layout.slots != layout.batch else ""
         )
@@ -715,7 +712,7 @@ class _Loop:
             f"speculative_generate with {rows} of {layout.capacity} cache columns (prompt "
             f"{prompt} + max_new_tokens {new} + cache_slack {self.slack}"
             + (f" + {tree} for a step's tree" if tree else "")
-            + (f" + {aligned} to align them" if aligned else "")
+            + (f" + {padding} to align them" if padding else "")
             + ")"
         )
         check_memory(

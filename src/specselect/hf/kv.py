@@ -50,8 +50,16 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specselect.hf.compat import ModelHandle
 
-#: In eager mode a pass attends over the columns written so far, rounded up to a multiple of this.
-SPAN_STEP = 64
+#: Every pass attends over a multiple of this many columns: in eager mode over the columns
+#: written so far rounded up to it, in graph mode over the whole capacity, which the loop
+#: allocates as a multiple of it. PyTorch's memory-efficient attention copies a mask whose rows
+#: are not 16-element aligned, once per layer and pass.
+SPAN_ALIGNMENT = 16
+
+
+def aligned(columns: int) -> int:
+    """``columns`` rounded up to a multiple of :data:`SPAN_ALIGNMENT`."""
+    return -(-columns // SPAN_ALIGNMENT) * SPAN_ALIGNMENT
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -151,7 +159,7 @@ class ModelCache:
         capacity: columns allocated per row.
         static_span: attend over the whole capacity in every pass (what a captured pass
             needs: one shape at any position); else only over the columns written so far,
-            rounded up to a multiple of :data:`SPAN_STEP` (eager mode: less attention work
+            rounded up to a multiple of :data:`SPAN_ALIGNMENT` (eager mode: less attention work
             while the cache is far from full).
     """
 
@@ -325,6 +333,12 @@ class ModelCache:
                 f"to the cache it was given: it does not append to {self.handle.cache_arg}"
             )
 
+    def rewind(self, pos: int) -> None:
+        """Write the next pass at column ``pos`` (``pos`` columns count as written): how the
+        profiler times one pass shape again and again. Validity and counts stay as they are."""
+        self.pos.fill_(pos)
+        self._account(pos)
+
     def room(self) -> int:
         """Columns still free after ``pos`` (host arithmetic, no sync)."""
         return self.capacity - self.used
@@ -346,7 +360,7 @@ class ModelCache:
     def _account(self, used: int) -> None:
         self.used = used
         if not self.static_span:
-            self.kv.span = min(-(-used // SPAN_STEP) * SPAN_STEP, self.capacity)
+            self.kv.span = min(aligned(used), self.capacity)
 
     def reset(self) -> None:
         """Empty every row (a new generation): no valid column, positions 0."""
@@ -390,7 +404,7 @@ class ModelCache:
         self.mark.fill_(width)
         self.used = width
         if not self.static_span:
-            self.kv.span = min(-(-width // SPAN_STEP) * SPAN_STEP, self.capacity)
+            self.kv.span = min(aligned(width), self.capacity)
 
 
 def host_index(values: list[int], device: torch.device) -> Tensor:  # -> [len] int64

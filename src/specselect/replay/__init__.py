@@ -45,7 +45,8 @@ Where things live (everything is importable from ``specselect.replay`` itself):
   (:func:`check_trace_shape`), and it was recorded from these models
   (:func:`check_trace_models`, :func:`model_differences`, :func:`describe_model`) and prompts
   (:func:`check_trace_prompts`); they raise :class:`TraceMismatchError`. :func:`reuse_traces`
-  applies them all: the policy for reusing recorded traces.
+  applies them all: the policy for reusing recorded traces. :func:`cost_model_differences`
+  says whether a cost model was measured on the traces' models.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from specselect.replay.provenance import (
     check_trace_models,
     check_trace_prompts,
     check_trace_shape,
+    cost_model_differences,
     model_differences,
     reuse_traces,
 )
@@ -110,6 +112,7 @@ __all__ = [
     "check_trace_shape",
     "compare_live",
     "compare_replay",
+    "cost_model_differences",
     "describe_model",
     "end_of_row_logprobs",
     "greedy_continue",

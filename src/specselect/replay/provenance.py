@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specselect.cost import CostModel
 from specselect.models import TINY_PAIR_DIR
 from specselect.replay.traces import Traces, describe_model
 
@@ -29,6 +30,7 @@ __all__ = [
     "check_trace_models",
     "check_trace_prompts",
     "check_trace_shape",
+    "cost_model_differences",
     "model_differences",
     "reuse_traces",
 ]
@@ -84,6 +86,42 @@ def model_differences(
         for key, stored, current in _stored_fields(traces.meta.get(role), model)
         if not _same_field(key, stored, current, compare_paths)
     ]
+
+
+#: What of :func:`describe_model`'s fields says which models a cost model priced (a path or a
+#: dtype does not: the same models measured elsewhere, or in another dtype, are still them).
+COST_FIELDS = ("class", "parameters")
+
+
+def cost_model_differences(traces: Traces, cost: CostModel) -> list[str]:
+    """Where the models ``cost`` was measured on are not described as the traces' models are.
+
+    A cost model of other models prices a replay of these traces as a what-if: as if their
+    passes cost what those models' cost. Compared per role (target, draft), by
+    :data:`COST_FIELDS`; a model the cost model describes in free text (a hand-made file) is
+    listed, since nothing shows it is the traces'. What either side does not record is not
+    compared (a hand-made model without a source, older trace files).
+
+    Returns:
+        one ``"<role> <field> <cost model's> (the traces': <recorded>)"`` per difference, or
+        ``"<role> described as <text> (the traces': <class>, <parameters> parameters)"``.
+    """
+    measured = {} if cost.source is None else cost.source.models
+    differences = []
+    for role in ("target", "draft"):
+        mine, recorded = measured.get(role), traces.meta.get(role)
+        if mine is None or not isinstance(recorded, dict):
+            continue
+        if not isinstance(mine, dict):
+            fields = [f"{recorded.get(key)!r}" for key in COST_FIELDS]
+            differences.append(f"{role} described as {mine!r} (the traces': {', '.join(fields)})")
+            continue
+        differences += [
+            f"{role} {key} {mine[key]!r} (the traces': {recorded[key]!r})"
+            for key in COST_FIELDS
+            if key in mine and key in recorded and mine[key] != recorded[key]
+        ]
+    return differences
 
 
 def check_trace_models(
