@@ -1109,6 +1109,21 @@ def test_profile_on_the_shipped_pair(tmp_path: Path) -> None:
     assert f"json: {out}" in lines and f"plot: {out.with_suffix('.png')}" in lines
 
 
+@pytest.mark.usefixtures("planted_timings")  # (timings of tiny models are mostly noise)
+def test_profile_needs_no_tokenizer(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Timing passes needs the models alone: directories without tokenizer files profile
+    (the test pair's draft has none; compare, which tokenizes prompts, reads the target's)."""
+    draft = model_dirs["draft"]
+    assert not list(draft.glob("tokenizer*")) and not list(draft.glob("vocab*"))
+    out = tmp_path / "cost.json"
+    models = ["--target", str(draft), "--draft", str(draft)]
+    argv = ["profile", *models, "--out", str(out), "--quiet", "--no-plots", *PROFILE_GRID]
+    code, _, stderr = run_main(argv)
+    assert code == 0, stderr
+    source = CostModel.load(out).source
+    assert source is not None and source.models["target"] == source.models["draft"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -611,6 +611,18 @@ def _from_dirs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise UsageError(f"cannot load the models: {exc}") from None
 
 
+def _models_from_dirs(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(target, draft)`` from local directories, without a tokenizer (profiling needs none)."""
+    from specselect.models import load_causal_lm
+
+    try:
+        target = load_causal_lm(args.target, DTYPES[args.dtype], args.device)
+        draft = load_causal_lm(args.draft, DTYPES[args.dtype], args.device)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise UsageError(f"cannot load the models: {exc}") from None
+    return target, draft
+
+
 def tokenize(tokenizer: Any, prompts: Sequence[str]) -> list[Tensor]:
     """Token ids of each prompt (the tokenizer's own special tokens included)."""
     ids = []
@@ -1015,7 +1027,7 @@ def run_profile(args: argparse.Namespace) -> int:
     if plot.is_dir() and not args.no_plots:  # before the timing: the plot would fail after it
         raise UsageError(f"--out {str(args.out)!r}: its plot's path {str(plot)!r} is a directory")
     with _run_settings(args):
-        target, draft = _shipped(args)[:2] if args.target is None else _from_dirs(args)[:2]
+        target, draft = _shipped(args)[:2] if args.target is None else _models_from_dirs(args)
         try:
             model = CostModel.measure(
                 target,

@@ -41,6 +41,7 @@ __all__ = [
     "PAIR_PARTS",
     "PROMPTS_FILE",
     "TINY_PAIR_DIR",
+    "load_causal_lm",
     "load_models",
     "load_pair",
     "load_prompts",
@@ -155,28 +156,50 @@ def load_models(
     """
     dtype = _check_dtype(dtype)
     device = _check_device(device)
-    if attn_implementation is not None and not isinstance(attn_implementation, str):
-        raise TypeError(
-            f"attn_implementation must be a str or None, got {type(attn_implementation).__name__}"
-        )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    _check_attn_implementation(attn_implementation)
+    from transformers import AutoTokenizer
 
-    options: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
-    if attn_implementation is not None:
-        options["attn_implementation"] = attn_implementation
     # The tokenizer first: it loads in milliseconds, so a wrong directory fails before the models.
     tokenizer_dir = target if tokenizer is None else tokenizer
     _check_tokenizer_files(tokenizer_dir, given=tokenizer is not None)
     loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    loaded = [
-        AutoModelForCausalLM.from_pretrained(path, **options)
-        # transformers decorates PreTrainedModel.to with functools.wraps, whose typeshed stub
-        # (_Wrapped) does not bind ``self``, so mypy checks ``device`` against ``self``.
-        .to(device)  # type: ignore[arg-type]
-        .eval()
-        for path in (target, draft)
-    ]
+    loaded = [load_causal_lm(path, dtype, device, attn_implementation) for path in (target, draft)]
     return loaded[0], loaded[1], loaded_tokenizer
+
+
+def load_causal_lm(
+    directory: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
+) -> PreTrainedModel:
+    """Load one causal LM from a local HF directory, offline, in eval mode: what
+    :func:`load_models` does for each model, without a tokenizer (timing passes, as
+    ``specselect profile`` does, needs none).
+
+    Raises:
+        TypeError, ValueError: a bad ``dtype``, ``device`` or ``attn_implementation``.
+        OSError: a directory transformers cannot load (its own message names it).
+    """
+    dtype = _check_dtype(dtype)
+    device = _check_device(device)
+    _check_attn_implementation(attn_implementation)
+    from transformers import AutoModelForCausalLM
+
+    options: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    if attn_implementation is not None:
+        options["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(directory, **options)
+    # transformers decorates PreTrainedModel.to with functools.wraps, whose typeshed stub
+    # (_Wrapped) does not bind ``self``, so mypy checks ``device`` against ``self``.
+    return model.to(device).eval()  # type: ignore[arg-type]
+
+
+def _check_attn_implementation(attn_implementation: object) -> None:
+    if attn_implementation is not None and not isinstance(attn_implementation, str):
+        raise TypeError(
+            f"attn_implementation must be a str or None, got {type(attn_implementation).__name__}"
+        )
 
 
 def load_pair(
