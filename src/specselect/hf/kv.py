@@ -50,10 +50,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specselect.hf.compat import ModelHandle
 
-#: Every pass attends over a multiple of this many columns: in eager mode over the columns
-#: written so far rounded up to it, in graph mode over the whole capacity, which the loop
-#: allocates as a multiple of it. PyTorch's memory-efficient attention copies a mask whose rows
-#: are not 16-element aligned, once per layer and pass.
+#: A pass attends over a multiple of this many columns: in eager mode over the columns written
+#: so far rounded up to it (or the whole capacity, if less), in graph mode over the whole
+#: capacity, which the loop then allocates as a multiple of it. PyTorch's memory-efficient
+#: attention copies a mask whose rows are not 16-element aligned, once per layer and pass.
 SPAN_ALIGNMENT = 16
 
 

@@ -14,7 +14,7 @@ and output length, come from its models and from its prompts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +104,7 @@ def cost_model_differences(traces: Traces, cost: CostModel) -> list[str]:
 
     Returns:
         one ``"<role> <field> <cost model's> (the traces': <recorded>)"`` per difference, or
-        ``"<role> described as <text> (the traces': <class>, <parameters> parameters)"``.
+        ``"<role> described as <text> (the traces': <class>, <parameters>)"``.
     """
     measured = {} if cost.source is None else cost.source.models
     differences = []
@@ -112,7 +112,7 @@ def cost_model_differences(traces: Traces, cost: CostModel) -> list[str]:
         mine, recorded = measured.get(role), traces.meta.get(role)
         if mine is None or not isinstance(recorded, dict):
             continue
-        if not isinstance(mine, dict):
+        if not isinstance(mine, Mapping):
             fields = [f"{recorded.get(key)!r}" for key in COST_FIELDS]
             differences.append(f"{role} described as {mine!r} (the traces': {', '.join(fields)})")
             continue
