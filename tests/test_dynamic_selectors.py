@@ -530,3 +530,12 @@ def test_dsd_probes_when_a_window_of_zero_looks_best() -> None:
     assert windows[:4] == [0, 0, 0, 0]  # the prior says drafting does not pay
     assert windows[4:8] == [1, 1, 1, 1]  # a probe interval
     assert min(windows[8:]) >= 1  # the probes were all accepted: drafting pays after all
+
+
+def test_dsd_does_not_probe_without_active_rows() -> None:
+    """With no active row there is nothing to probe: a window of 0, also at a probe interval
+    (it drafted one token for nobody there)."""
+    cost = CostModel.linear((5e-3, 0.0, 0.0), (1.5e-2, 0.0, 0.0))
+    selector = DSDSelector(max_k=4, cost_model=cost, interval=1, alpha0=0.01)
+    assert [selector.draft_length(0) for _ in range(4)] == [0, 0, 0, 0]
+    assert [selector.draft_length(2) for _ in range(2)] == [0, 1]  # (probing goes on)

@@ -4,6 +4,7 @@ hooks through which comparison grids build every registered selector."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 
@@ -232,3 +233,31 @@ def test_the_registry_is_a_mapping_that_refuses_all_of_a_bad_update() -> None:
         assert type(plain) is dict and plain == before
         plain["mine"] = _Redefined
     assert "mine" not in SELECTORS
+
+
+def test_or_assignment_registers_checked() -> None:
+    """``|=`` registers in the registry itself, checked (it rebound the name to a plain dict,
+    registering nothing and checking nothing)."""
+    registry = SELECTORS
+    with pytest.raises(ValueError, match="without whitespace"):
+        registry |= {"bad name": _Redefined}
+    registry |= {"mine": _Redefined}
+    assert registry is SELECTORS and SELECTORS["mine"] is _Redefined
+
+
+def test_selectors_wrapping_a_constructor_take_its_keywords() -> None:
+    """A selector whose constructor passes ``**kwargs`` to its parent's takes the parent's
+    keywords in make_selector and shows them in its repr (it was refused every keyword)."""
+
+    class Wrapped(SELECTORS["tetris"]):  # type: ignore[misc,valid-type]
+        name = "wrapped"
+
+        def __init__(self, *args: Any, note: str = "", **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.note = note
+
+    SELECTORS["wrapped"] = Wrapped
+    selector = make_selector("wrapped", k=3, note="mine")
+    assert repr(selector).startswith("Wrapped(note='mine', k=3, extra=2,")
+    with pytest.raises(TypeError, match=r"does not take nope; it takes note, k, extra"):
+        make_selector("wrapped", k=3, nope=1)

@@ -10,6 +10,7 @@ device (which has no data to read back); and, when CUDA is present, CUDA's sync 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import itertools
@@ -319,6 +320,68 @@ def test_request_ids_of_a_new_batch_size_reset_an_estimator_without_reset_reques
     selector.update(selection, selection.lengths)
     selection = selector.select(random_logprobs(6, 3, seed=1), request_ids=torch.arange(4, 10))
     assert selection.lengths.shape == (6,)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("mode", ["autograd", "inference mode"])
+def test_state_outlives_the_callers_autograd_and_inference_mode(name: str, mode: str) -> None:
+    """Draft log-probs that require grad, or steps under the caller's inference mode, leave
+    state that later steps and reset() update in place outside either: the learned estimators'
+    state joined the autograd graph (every later select failed), or was an inference tensor
+    (reset() outside inference mode failed)."""
+    selector = make(name)
+    context = torch.inference_mode() if mode == "inference mode" else contextlib.nullcontext()
+    with context:
+        for step in range(3):
+            logprobs = drafted(selector, seed=step).requires_grad_(mode == "autograd")
+            selection = selector.select(logprobs, ACTIVE)
+            accepted = accepted_for(selection, step)
+            selector.update(selection, accepted)
+            observe(selector, selection, accepted, ACTIVE)
+    selector.reset()
+    for step in range(2):
+        selection = selector.select(drafted(selector, seed=step))
+        assert not selection.mask.requires_grad
+        selector.update(selection, accepted_for(selection, step))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_strided_draft_logprobs_select_as_contiguous_ones(name: str) -> None:
+    """A column-major draft (a transposed ``[K, B]`` buffer) selects and learns as its
+    contiguous copy does (the ranking guard flattened it with view(), and failed)."""
+    strided, contiguous = make(name), make(name)
+    for step in range(3):
+        logprobs = drafted(contiguous, seed=step)
+        column_major = logprobs.t().contiguous().t()
+        assert not column_major.is_contiguous()
+        mine, theirs = strided.select(column_major), contiguous.select(logprobs)
+        assert torch.equal(mine.mask, theirs.mask) and mine.mask.is_contiguous()
+        accepted = accepted_for(theirs, step)
+        strided.update(mine, accepted)
+        contiguous.update(theirs, accepted)
+
+
+def test_a_float64_tree_selection_is_contiguous_and_learns() -> None:
+    """The float64 top-C mask came back transposed, and the guard's update failed on it."""
+    selector = make_selector("tetris", k=2)
+    logprobs = torch.tensor([[-0.1, -0.2, -0.3], [-0.5, -0.1, -0.2]], dtype=torch.float64)
+    selection = selector.select(logprobs, parents=torch.tensor([[-1, 0, 0], [-1, -1, 1]]))
+    assert selection.mask.is_contiguous() and bool(selection.mask[0, 0])
+    accepted = torch.tensor([[True, False, False], [False, False, False]])
+    selector.update(selection, torch.tensor([1, 0]), accepted_nodes=accepted)
+
+
+def test_tree_tensors_on_another_device_are_named() -> None:
+    """parents and accepted_nodes are checked for their device as the other inputs are (they
+    failed inside an index op, naming neither)."""
+    selector = make_selector("tetris", k=2)
+    logprobs, parents = random_logprobs(2, 3, seed=0), torch.tensor([[-1, 0, 0], [-1, -1, 1]])
+    with pytest.raises(ValueError, match=r"parents is on meta, expected cpu"):
+        selector.select(logprobs, parents=parents.to("meta"))
+    selection = selector.select(logprobs, parents=parents)
+    nothing = torch.zeros(2, 3, dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match=r"accepted_nodes is on meta, expected cpu"):
+        selector.update(selection, torch.zeros(2, dtype=torch.int64), accepted_nodes=nothing)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import numbers
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
@@ -57,6 +59,31 @@ def checked_already() -> contextlib.AbstractContextManager[None]:
     do not read them again. Nothing under ``torch.compile``, which cannot trace the flag and
     reads no values anyway."""
     return contextlib.nullcontext() if torch.compiler.is_compiling() else trusted_values()
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def outside_autograd(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``method`` without autograd and outside inference mode: for the selectors' and
+    estimators' entry points, whose state tensors outlive the call.
+
+    Under autograd (draft log-probs that require grad) the state would become part of a graph,
+    and an in-place update of it would fail at every later step; made under the caller's
+    ``torch.inference_mode()`` it would be an inference tensor, which no later step or
+    ``reset()`` outside inference mode may update in place. Inputs from either mode are read
+    as they are. Nothing changes under ``torch.compile``, which traces the method in the
+    caller's mode."""
+
+    @functools.wraps(method)
+    def plain(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if torch.compiler.is_compiling():
+            return method(*args, **kwargs)
+        with torch.inference_mode(False), torch.no_grad():
+            return method(*args, **kwargs)
+
+    return plain
 
 
 def values_trusted() -> bool:

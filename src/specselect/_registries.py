@@ -75,6 +75,12 @@ class Registry(MutableMapping[str, type[T]], Generic[T]):
     def __or__(self, other: Mapping[str, type[T]]) -> dict[str, type[T]]:
         return {**self._entries, **other}
 
+    def __ior__(self, other: Mapping[str, type[T]]) -> Registry[T]:
+        """``registry |= {...}`` registers, checked, as :meth:`update` does (without it Python
+        would rebind the name to the plain ``dict`` of ``|`` and register nothing)."""
+        self.update(other)
+        return self
+
     def __delitem__(self, name: str) -> None:
         del self._entries[name]
 

@@ -12,7 +12,7 @@ import inspect
 from typing import Any, NamedTuple
 
 from specselect.estimators import ESTIMATORS, NO_ESTIMATOR
-from specselect.selection import Selector
+from specselect.selection import Selector, constructor_keywords
 from specselect.selectors import SELECTORS
 
 
@@ -42,13 +42,14 @@ def make_selector(name: str, **kwargs: Any) -> Selector:
             f"unknown selector {base!r}; expected one of {', '.join(available_selectors())}, "
             f"optionally with +estimator ({', '.join(spec_estimators())})"
         ) from None
-    params = inspect.signature(cls).parameters
-    unknown = sorted(set(kwargs) - set(params))
+    keywords = constructor_keywords(cls)
+    unknown = sorted(set(kwargs) - set(keywords))
     if unknown:
         raise TypeError(
             f"selector {name!r} does not take {', '.join(unknown)}; "
-            f"it takes {', '.join(params) or 'no arguments'}"
+            f"it takes {', '.join(keywords) or 'no arguments'}"
         )
+    params = inspect.signature(cls).parameters
     try:
         spec = cls.spec_kwargs(estimator, None)
     except ValueError as exc:  # an estimator for a selector that takes none

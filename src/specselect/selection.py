@@ -33,6 +33,7 @@ from specselect._checks import (
     check_row_ints,
     check_tensor,
     checked_already,
+    outside_autograd,
     values_trusted,
 )
 from specselect.constants import cached_constant
@@ -264,6 +265,7 @@ class Selector(abc.ABC):
         """:meth:`max_selected` on checked arguments."""
         return width
 
+    @outside_autograd
     def select(
         self,
         draft_logprobs: Tensor,
@@ -298,7 +300,8 @@ class Selector(abc.ABC):
             to learn.
         """
         self._check_initialized()
-        draft_logprobs = check_logprobs("draft_logprobs", draft_logprobs)
+        # Contiguous (a no-op for most callers): every estimator and ranking may flatten it.
+        draft_logprobs = check_logprobs("draft_logprobs", draft_logprobs).contiguous()
         self._follow_device(draft_logprobs.device)
         rows, width = draft_logprobs.shape
         active = check_active(active, rows, draft_logprobs.device)
@@ -313,10 +316,12 @@ class Selector(abc.ABC):
                     f"{type(self).__name__} does not select draft-tree nodes (parents=...): "
                     "its supports_trees is False (every selector specselect ships supports trees)"
                 )
-            parents = check_parents(parents, rows=rows, width=width)
+            parents = check_parents(
+                parents, rows=rows, width=width, device=draft_logprobs.device
+            ).contiguous()
             positions = path_sums(torch.ones_like(draft_logprobs), parents).to(torch.int64) - 1
         if features is not None:
-            features = check_features(features, draft_logprobs)
+            features = check_features(features, draft_logprobs).contiguous()
         if not self.uses_features:
             features = None
         if width == 0:  # nothing drafted (a plain step): nothing to rank or estimate
@@ -378,6 +383,7 @@ class Selector(abc.ABC):
         children); only if ``supports_trees``. The mask must be closed under ancestors."""
         raise NotImplementedError
 
+    @outside_autograd
     def update(
         self,
         selection: Selection,
@@ -493,6 +499,7 @@ class Selector(abc.ABC):
         """Adaptive selectors override this (arguments checked; :meth:`_outcomes_of_step`
         gives the step's tested and passed masks); the default keeps no state."""
 
+    @outside_autograd
     def observe(
         self,
         verified: Sequence[int],
@@ -563,6 +570,7 @@ class Selector(abc.ABC):
         """Host planners override this (checked outcomes; ``active`` is ``None`` when the loop
         did not say); the default ignores them."""
 
+    @outside_autograd
     def reset(self) -> None:
         """Forget all state learned from feedback (start of a new generation)."""
         self._last = None
@@ -691,9 +699,29 @@ class Selector(abc.ABC):
         its class, a cost model by what it is, not its samples); never its internal state
         (``capture_token``, per-request windows): one short line for a log or a report."""
         held = vars(self)
-        params = inspect.signature(type(self)).parameters
+        params = constructor_keywords(type(self))
         shown = ", ".join(f"{p}={_short_repr(held[p])}" for p in params if p in held)
         return f"{type(self).__name__}({shown})"
+
+
+def constructor_keywords(cls: type) -> list[str]:
+    """The keyword arguments ``cls(...)`` takes: its constructor's named parameters and, where
+    it passes ``**kwargs`` on (a subclass wrapping its parent's constructor), those of the
+    first class up its MRO that names all of its own."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        init = vars(klass)["__init__"]
+        params = list(inspect.signature(init).parameters.values())[1:]  # (self)
+        names += [
+            p.name
+            for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in names
+        ]
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return names
 
 
 def _short_repr(value: object) -> str:
@@ -797,6 +825,10 @@ def _check_accepted_nodes(
         raise ValueError(
             f"accepted_nodes must be a bool tensor of shape {tuple(selection.mask.shape)}, got "
             f"{t.dtype} {tuple(t.shape)}"
+        )
+    if t.device != selection.mask.device:
+        raise ValueError(
+            f"accepted_nodes is on {t.device}, expected {selection.mask.device} (the selection's)"
         )
     if not (_values_checkable(t) and _values_checkable(selection.mask) and t.numel()):
         return

@@ -225,7 +225,7 @@ def _cheapest_mask_float64(costs: Tensor, budget: int) -> Tensor:
     """
     rows, cols = costs.shape
     column_major = costs.t().reshape(1, -1)  # [1, N * B]
-    return _cheapest_per_row_float64(column_major, budget).view(cols, rows).t()
+    return _cheapest_per_row_float64(column_major, budget).view(cols, rows).t().contiguous()
 
 
 def _cheapest_per_row_float64(costs: Tensor, count: int) -> Tensor:

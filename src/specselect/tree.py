@@ -185,15 +185,24 @@ def chain_parents(rows: int, width: int, device: torch.device | str = "cpu") -> 
     return (torch.arange(width, device=device) - 1).expand(rows, width).contiguous()
 
 
-def check_parents(parents: object, *, rows: int | None = None, width: int | None = None) -> Tensor:
-    """Check that ``parents`` describes a forest hanging from each row's root.
+def check_parents(
+    parents: object,
+    *,
+    rows: int | None = None,
+    width: int | None = None,
+    device: torch.device | None = None,
+) -> Tensor:
+    """Check that ``parents`` describes a forest hanging from each row's root (on ``device``,
+    where given: the draft log-probabilities').
 
     Raises:
         TypeError: not an integer tensor.
-        ValueError: wrong shape, a parent index outside ``[-1, j)`` for node ``j`` (a child
-            before its parent, a self-loop, or a cycle all show up this way).
+        ValueError: wrong shape or device, a parent index outside ``[-1, j)`` for node ``j`` (a
+            child before its parent, a self-loop, or a cycle all show up this way).
     """
     t = check_integer_tensor("parents", parents, rank=2)
+    if device is not None and t.device != device:
+        raise ValueError(f"parents is on {t.device}, expected {device} (draft_logprobs' device)")
     if rows is not None and t.shape[0] != rows:
         raise ValueError(f"parents must have {rows} rows (one tree per request), got {t.shape[0]}")
     if width is not None and t.shape[1] != width:

@@ -38,6 +38,7 @@ from specselect._checks import (
     check_mask,
     check_non_negative,
     check_tensor,
+    outside_autograd,
 )
 
 EPS = 1e-4  # estimates are kept in [EPS, 1 - EPS]: log(0) would forbid a token forever
@@ -94,6 +95,7 @@ class AcceptanceEstimator(abc.ABC):
         ``-inf`` inputs stay ``-inf`` (never selectable); everything else is finite and <= 0.
         """
 
+    @outside_autograd
     def learn(
         self,
         draft_logprobs: Tensor,

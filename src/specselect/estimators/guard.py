@@ -122,7 +122,9 @@ class RankingGuard:
         # One scatter for both histograms: failing tokens land in the second row.
         cells = score_cells(estimates).add_(passed.logical_not(), alpha=BINS)  # [B, K]
         weights = tested.to(histograms.dtype)  # [B, K]
-        histograms.mul_(self.decay).view(-1).index_add_(0, cells.view(-1), weights.view(-1))
+        # reshape, not view: the masks and estimates may be strided (a transposed draft).
+        flat = histograms.mul_(self.decay).view(-1)  # [2 * BINS] (own, contiguous state)
+        flat.index_add_(0, cells.reshape(-1), weights.reshape(-1))
 
     def auc(self, device: torch.device | str = "cpu") -> Tensor:
         """0-dim AUC of the recent estimates (0.5 when either histogram is empty)."""

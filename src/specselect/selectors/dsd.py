@@ -184,7 +184,7 @@ class DSDSelector(Selector):
         window = best_window(
             self._alpha_chosen, num_active, self.max_k, self.cost_model, self.context
         )
-        if window == 0 and self._probing(rechoose):
+        if window == 0 and self._probing(rechoose) and num_active:  # (no row: nothing to probe)
             window = 1
         self._window = window
         return window
