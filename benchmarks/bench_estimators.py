@@ -28,6 +28,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from _args import at_least
 from bench_replay_goals import gap_closed, load_pair_traces, mean_closed, percent
 
 from specselect import FixedWindowSelector, TetrisSelector
@@ -56,17 +57,17 @@ def grid_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--traces", type=Path, default=None, help="load or save traces here")
     parser.add_argument("--pair", type=Path, default=TINY_PAIR_DIR, help="the pair's directory")
-    parser.add_argument("--slots", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
-    parser.add_argument("--extra", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--slots", type=at_least(1), default=32)
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    parser.add_argument("--k", type=at_least(1), nargs="+", default=[2, 3, 4])
+    parser.add_argument("--extra", type=at_least(0), nargs="+", default=[1, 2, 3])
     return parser
 
 
 def main() -> None:
-    parser = grid_parser(__doc__.splitlines()[0])
+    parser = grid_parser(" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--live-sampling", action="store_true", help="also run live sampling")
-    parser.add_argument("--batch", type=int, default=20, help="live batch size")
+    parser.add_argument("--batch", type=at_least(1), default=20, help="live batch size")
     args = parser.parse_args()
     torch.set_num_threads(1)
     max_k = max(args.k) + max(args.extra)

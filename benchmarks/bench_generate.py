@@ -17,8 +17,9 @@ greedily and on the same left-padded prompts:
 Columns: median wall seconds over ``--repeats`` timed runs (after one warm-up run), new tokens
 per second (tokens are the reference's new tokens up to and including EOS, the same for every
 method that reproduces it), speed-up over ``generate``, tokens per step, VSR, verified draft
-tokens per request-step (per active request, like tokens per step), the draft / select /
-verify / other time split of the speculative loop, and how many rows came out identical to
+tokens per request-step (per active request, like tokens per step), the prefill / draft /
+select / verify / other time split of the speculative loop in its last timed run (they add up
+to about its wall time; ``s`` is the median's), and how many rows came out identical to
 ``generate``.
 
 The models are the shipped trained pair (``specselect.models.load_tiny_pair``) when its files
@@ -35,6 +36,7 @@ or negative; the selector comparison is in tokens per step and VSR.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -42,14 +44,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from _args import at_least, int_list, output_file
 from torch import Tensor
 
 from specselect import make_selector
 from specselect.hf import TreeSpec, speculative_generate
 from specselect.selectors import SELECTORS
 
-#: The time split of speculative_generate's statistics, in the table's order.
-SPLIT = ("draft_seconds", "select_seconds", "verify_seconds", "other_seconds")
+#: The time split of speculative_generate's statistics, in the table's order: the first rows'
+#: prompt pass, then the steps' phases.
+SPLIT = ("prefill_seconds", "draft_seconds", "select_seconds", "verify_seconds", "other_seconds")
 
 
 @dataclass
@@ -257,7 +261,7 @@ def markdown(rows: list[Row]) -> str:
     """The results as a markdown table; speed-ups are against ``generate`` of the same cell."""
     lines = [
         "| device | B | method | s | tok/s | vs generate | tok/step | VSR | verified/request-step "
-        "| draft/select/verify/other s | identical rows |",
+        "| prefill/draft/select/verify/other s (last run) | identical rows |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     baseline = {(r.device, r.batch): r.tokens / r.seconds for r in rows if r.method == "generate"}
@@ -271,6 +275,12 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _defined(value: float) -> str:
+    """``value`` to two decimals, or ``-`` where it is undefined (the VSR of a run that
+    verified nothing)."""
+    return "-" if math.isnan(value) else f"{value:.2f}"
+
+
 def stats_cells(stats: dict[str, float]) -> str:
     """Tokens/step, VSR, verified/request-step and the time split; empty cells for
     non-speculative rows."""
@@ -278,7 +288,7 @@ def stats_cells(stats: dict[str, float]) -> str:
         return " | | | "
     split = "/".join(f"{stats[k]:.2f}" for k in SPLIT)
     return (
-        f"{stats['tokens_per_step']:.2f} | {stats['vsr']:.2f} | "
+        f"{stats['tokens_per_step']:.2f} | {_defined(stats['vsr'])} | "
         f"{stats['verified_per_request_step']:.2f} | {split}"
     )
 
@@ -287,14 +297,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", action="append", help="cpu, cuda, ... (default: cpu + cuda)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--batch-sizes", default="1,8,32")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, default=3, help="base window of the selectors")
+    parser.add_argument("--batch-sizes", type=int_list(1), default=[1, 8, 32])
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    parser.add_argument("--k", type=at_least(1), default=3, help="base window of the selectors")
     parser.add_argument("--selectors", default=",".join(sorted(SELECTORS)))
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs (median) per cell")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--repeats", type=at_least(1), default=3, help="timed runs (median) per cell"
+    )
+    parser.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")
     parser.add_argument("--random-models", action="store_true", help="skip the shipped pair")
-    parser.add_argument("--output", help="also write the markdown table to this file")
+    parser.add_argument(
+        "--output", type=output_file, help="also write the markdown table to this file"
+    )
     parser.add_argument(
         "--tree",
         help="depth,branch,width: add tree-vs-chain rows at a budget of k tokens per request",
@@ -305,7 +319,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.tree = TreeSpec(*(int(v) for v in args.tree.split(",")))
         except (TypeError, ValueError) as err:
             parser.error(f"--tree must be depth,branch,width (three ints >= 1): {err}")
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.selectors = [s for s in args.selectors.split(",") if s]
     unknown = sorted(set(args.selectors) - set(SELECTORS))
     if unknown:

@@ -36,6 +36,8 @@ requests and a queue.
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,8 +45,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _args import at_least
 from bench_estimators import grid_parser
 from bench_replay_goals import load_pair_traces
+from tqdm.auto import tqdm
 
 from specselect import DSDSelector, FixedWindowSelector, TetrisSelector
 from specselect.cost import CostModel, default_cost_model
@@ -53,15 +57,33 @@ from specselect.replay import OracleSelector, Traces, replay
 H100_GRAPH = Path(__file__).resolve().parent / "costs" / "h100-graph-tinyllama-1.1b-bf16.json"
 
 
-def cost_models(extra: Sequence[str]) -> dict[str, tuple[CostModel, str]]:
+def cost_models(extra: Sequence[tuple[str, CostModel]]) -> dict[str, tuple[CostModel, str]]:
+    """The two built-in cost models, then those of ``--cost-model`` (parsed by
+    :func:`named_cost_model`)."""
     models = {
         "h100-graph": (CostModel.load(H100_GRAPH), f"loaded from {H100_GRAPH.name}"),
         "cpu-eager": (default_cost_model(), "specselect's default (measured on a CPU)"),
     }
-    for spec in extra:
-        name, _, path = spec.partition("=")
-        models[name] = (CostModel.load(Path(path)), f"loaded from {path}")
+    for name, model in extra:
+        models[name] = (model, f"loaded from {model.path}")
     return models
+
+
+def named_cost_model(text: str) -> tuple[str, CostModel]:
+    """``--cost-model NAME=FILE``: a new name (not a built-in model's) and a cost file that
+    loads; an argparse error otherwise, before any replay."""
+    name, equals, path = text.partition("=")
+    if not equals or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=FILE, got {text!r}")
+    if name in BUILT_IN:
+        raise argparse.ArgumentTypeError(f"{name!r} names a built-in cost model; choose another")
+    try:
+        return name, CostModel.load(Path(path))
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{path!r}: {exc}") from None
+
+
+BUILT_IN = ("h100-graph", "cpu-eager")  # the names of cost_models' own
 
 
 def replicated(traces: Traces, times: int, seed: int = 0) -> Traces:
@@ -96,20 +118,19 @@ def run_grid(
 
     fixed = {k: goodput(FixedWindowSelector(k))[0] for k in ks}
     cells = []
-    for k in ks:
-        for extra in extras:
-            tetris, depth = goodput(TetrisSelector(k, extra, budget="goodput", cost_model=cost))
-            paper = TetrisSelector(
-                k, extra, budget="goodput", cost_model=cost, estimator=None, guard=False
-            )
-            values = {
-                "goodput-tetris": tetris,
-                "goodput-tetris (paper ranking)": goodput(paper)[0],
-                "tetris (C = k * active)": goodput(TetrisSelector(k, extra))[0],
-                "dsd": goodput(DSDSelector(k + extra, cost_model=cost))[0],
-                "oracle": goodput(OracleSelector(k, extra))[0],
-            }
-            cells.append(Cell(k, extra, values, depth))
+    for k, extra in tqdm(list(itertools.product(ks, extras)), desc="grid", leave=False):
+        tetris, depth = goodput(TetrisSelector(k, extra, budget="goodput", cost_model=cost))
+        paper = TetrisSelector(
+            k, extra, budget="goodput", cost_model=cost, estimator=None, guard=False
+        )
+        values = {
+            "goodput-tetris": tetris,
+            "goodput-tetris (paper ranking)": goodput(paper)[0],
+            "tetris (C = k * active)": goodput(TetrisSelector(k, extra))[0],
+            "dsd": goodput(DSDSelector(k + extra, cost_model=cost))[0],
+            "oracle": goodput(OracleSelector(k, extra))[0],
+        }
+        cells.append(Cell(k, extra, values, depth))
     return fixed, cells
 
 
@@ -155,12 +176,20 @@ def report(
 
 
 def main() -> None:
-    parser = grid_parser(__doc__.splitlines()[0])
+    parser = grid_parser(" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument(
-        "--replicate", type=int, default=1, help="run the requests this many times, shuffled"
+        "--replicate",
+        type=at_least(1),
+        default=1,
+        help="run the requests this many times, shuffled",
     )
     parser.add_argument(
-        "--cost-model", action="append", default=[], metavar="NAME=FILE", help="a cost file"
+        "--cost-model",
+        action="append",
+        type=named_cost_model,
+        default=[],
+        metavar="NAME=FILE",
+        help="also a cost file, under a name of its own",
     )
     parser.add_argument(
         "--static", action="store_true", help="static batches of --slots requests (no refill)"

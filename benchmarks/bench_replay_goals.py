@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import collections
 import hashlib
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -50,8 +51,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _args import at_least
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from tqdm.auto import tqdm
 
 from specselect import FixedWindowSelector, TetrisSelector
 from specselect.estimators.synthetic import CALIBRATIONS, synthetic_traces
@@ -165,13 +168,12 @@ def replay_grid(traces: Traces, ks: list[int], extras: list[int], slots: int) ->
     def tokens_per_step(selector: Selector) -> float:
         return replay(traces, selector, slots).totals.tokens_per_step
 
+    fixed = {k: tokens_per_step(FixedWindowSelector(k)) for k in ks}
     cells = []
-    for k in ks:
-        fixed = tokens_per_step(FixedWindowSelector(k))
-        for extra in extras:
-            oracle = tokens_per_step(OracleSelector(k, extra))
-            values = {name: tokens_per_step(make(k, extra)) for name, make in VARIANTS.items()}
-            cells.append(Cell(k, extra, fixed, oracle, values))
+    for k, extra in tqdm(list(itertools.product(ks, extras)), desc="grid", leave=False):
+        oracle = tokens_per_step(OracleSelector(k, extra))
+        values = {name: tokens_per_step(make(k, extra)) for name, make in VARIANTS.items()}
+        cells.append(Cell(k, extra, fixed[k], oracle, values))
     return cells
 
 
@@ -259,17 +261,19 @@ def op_counts(batch: int = 256, width: int = 8, repeats: int = 200) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--pair", type=Path, action="append", default=[], help="a pair directory")
     parser.add_argument("--no-shipped", action="store_true", help="skip the shipped pair")
     parser.add_argument("--synthetic", action="store_true", help="add the synthetic drafts")
     parser.add_argument("--traces-dir", type=Path, default=None, help="cache traces here")
-    parser.add_argument("--slots", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
-    parser.add_argument("--extra", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--slots", type=at_least(1), default=32)
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    parser.add_argument("--k", type=at_least(1), nargs="+", default=[2, 3, 4])
+    parser.add_argument("--extra", type=at_least(0), nargs="+", default=[1, 2, 3])
     parser.add_argument("--ops", action="store_true", help="also count per-step operations")
     args = parser.parse_args()
+    if args.no_shipped and not (args.pair or args.synthetic or args.ops):
+        parser.error("--no-shipped leaves nothing to run: add --pair, --synthetic or --ops")
     torch.set_num_threads(1)
     max_k = max(args.k) + max(args.extra)
     pairs = ([] if args.no_shipped else [TINY_PAIR_DIR]) + list(args.pair)

@@ -9,7 +9,8 @@ Columns: ``tetris`` is the paper's selector through ``select`` (argument checks 
 CPU with the fused kernel of :mod:`specselect.native` when it could be built;
 ``tetris_pytorch`` the same with the fused kernel turned off (the PyTorch kernel that also
 runs on accelerators and under ``torch.compile``); ``tetris_kernel`` the selection without the
-argument checks; ``tetris+history`` the default selector (estimator and guard).
+argument checks; ``tetris_default`` the default selector (``TetrisSelector(k, extra)``: its
+default estimator, the ranking choice, and its guard).
 
 The reference formulation is what TETRIS computes, written the obvious way: cumulative
 log-probabilities, a flattened ``topk(C)`` and a per-row count (``bincount``). The table also
@@ -40,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from _args import at_least, output_file
 from torch import Tensor
 
 from specselect import native
@@ -75,7 +77,7 @@ def selector_kwargs(name: str, cfg: Config) -> dict[str, object] | None:
     """Constructor arguments of a registered selector at this size (``None``: defaults)."""
     table: dict[str, dict[str, object]] = {
         # The paper's kernel (what the reference formulation computes); the default estimator
-        # and guard are timed separately as "tetris+history".
+        # and guard are timed separately as "tetris_default".
         "tetris": {"k": cfg.k, "extra": cfg.extra, "estimator": None, "guard": False},
         "fixed": {"k": cfg.k},
         "dsd": {"max_k": cfg.window},
@@ -125,8 +127,8 @@ def make_methods(cfg: Config, logprobs: Tensor) -> dict[str, Callable[[], object
             methods["tetris_kernel"] = _bind(selector._select, logprobs, None)
             if native.available() and torch.device(cfg.device).type == "cpu":
                 methods["tetris_pytorch"] = _without_fused_kernel(selector.select, logprobs)
-            default = SELECTORS["tetris"](k=cfg.k, extra=cfg.extra)  # history estimator + guard
-            methods["tetris+history"] = _bind(default.select, logprobs)
+            default = SELECTORS["tetris"](k=cfg.k, extra=cfg.extra)  # ranking choice + guard
+            methods["tetris_default"] = _bind(default.select, logprobs)
     return methods
 
 
@@ -261,12 +263,16 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     parser.add_argument("--devices", nargs="+", default=default_devices)
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256, 1024])
-    parser.add_argument("--windows", nargs="+", type=int, default=[4, 8, 16])
-    parser.add_argument("--rounds", type=int, default=20, help="rounds over all methods")
-    parser.add_argument("--block", type=int, default=20, help="timed calls per method per round")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--output", default=None, help="also write the table to this file")
+    parser.add_argument("--batches", nargs="+", type=at_least(1), default=[1, 8, 64, 256, 1024])
+    parser.add_argument("--windows", nargs="+", type=at_least(1), default=[4, 8, 16])
+    parser.add_argument("--rounds", type=at_least(1), default=20, help="rounds over all methods")
+    parser.add_argument(
+        "--block", type=at_least(1), default=20, help="timed calls per method per round"
+    )
+    parser.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--output", type=output_file, default=None, help="also write the table to this file"
+    )
     parser.add_argument("--profile", action="store_true", help="profile TETRIS, then exit")
     return parser.parse_args()
 

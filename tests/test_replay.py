@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import fractions
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -31,10 +32,12 @@ from specselect.replay import (
     OracleSelector,
     SelectorConfig,
     Traces,
+    compare_live,
     compare_replay,
     end_of_row_logprobs,
     iter_replay,
     left_pad,
+    live_totals,
     load_traces,
     match_runs,
     record_traces,
@@ -231,6 +234,21 @@ def test_save_load_round_trip(model_traces: Traces, tmp_path) -> None:
     assert torch.equal(loaded.runs, model_traces.runs)
 
 
+def test_save_refuses_a_directory_naming_it(model_traces: Traces, tmp_path) -> None:
+    with pytest.raises(IsADirectoryError, match=r"is a directory; name the \.pt file"):
+        save_traces(model_traces, tmp_path)
+
+
+def test_live_runs_refuse_slots_below_one(tiny_pair: tuple, model_traces: Traces) -> None:
+    """A negative slot count ran nothing and reported zeros; 0 failed inside range()."""
+    config = selector_grid(["fixed"], [1], [1])[0]
+    for slots in (0, -2):
+        with pytest.raises(ValueError, match="slots must be >= 1"):
+            live_totals(*tiny_pair, model_traces.prompt_ids, config, slots, 2)
+        with pytest.raises(ValueError, match="slots must be >= 1"):
+            compare_live(*tiny_pair, model_traces, [config], slots)
+
+
 def test_load_rejects_a_missing_file(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_traces(tmp_path / "missing.pt")
@@ -285,6 +303,14 @@ def test_load_rejects_other_files_naming_them(tmp_path: Path, kind: str) -> None
             ValueError,
             r"prompts\[1\] is empty",
         ),
+        # Refused, not flattened into one prompt, truncated or failed inside the embedding:
+        ({"prompts": [torch.tensor([[1, 2], [3, 4]])]}, ValueError, r"prompts\[0\] must be 1-D"),
+        ({"prompts": [[1.7, 2.9]]}, TypeError, r"prompts\[0\] must hold integer token ids"),
+        ({"prompts": [[True, False]]}, TypeError, r"prompts\[0\] must hold integer token ids"),
+        ({"prompts": ["hello"]}, TypeError, r"prompts\[0\] is a string"),
+        ({"prompts": [[1], [2, -1]]}, ValueError, r"prompts\[1\] holds token id -1; ids are >= 0"),
+        ({"prompts": [[10**6]]}, ValueError, r"holds token id 1000000; .* below the vocabulary"),
+        ({"meta": {"max_k": 99}}, ValueError, r"meta must not set 'max_k'"),
     ],
 )
 def test_record_traces_bad_input(tiny_pair: tuple, kwargs: dict, error: type, match: str):
@@ -312,6 +338,9 @@ def test_traces_validate_shapes_and_types() -> None:
         ((prompts, output, tokens.float(), logprobs), TypeError, "draft_tokens"),
         (([[1, 2], [3]], output, tokens, logprobs), TypeError, r"prompt_ids\[0\]"),
         (([], output[:0], tokens[:0], logprobs[:0]), ValueError, "at least one request"),
+        # Values too: replay trusts them (a NaN score became an index far out of bounds).
+        ((prompts, output, tokens, logprobs.nan_to_num(nan=0.0) + 0.5), ValueError, "positive"),
+        ((prompts, output, tokens, torch.full_like(logprobs, math.nan)), ValueError, "NaN"),
     ]
     for args, error, match in bad:
         with pytest.raises(error, match=match):

@@ -88,6 +88,26 @@ def test_traces_serve_the_run_they_were_recorded_for(recording: dict[str, Any]) 
     assert _reuse(recording, **shape_only) is recording["traces"]
 
 
+def test_reuse_takes_prompts_as_recording_takes_them(recording: dict[str, Any]) -> None:
+    """Lists of ids serve as tensors do (record_traces takes both; lists failed on .to)."""
+    as_lists = [p.tolist() for p in recording["prompts"]]
+    assert _reuse(recording, prompt_ids=as_lists) is recording["traces"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"max_k": -3}, "max_k must be >= 1"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"prompt_ids": []}, "prompt_ids is empty"),
+        ({"texts": ["one"]}, r"texts must hold one text per prompt \(3\), got 1"),
+    ],
+)
+def test_reuse_refuses_bad_arguments(recording: dict[str, Any], changes: dict, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        _reuse(recording, **changes)
+
+
 def _other_prompt(recording: dict[str, Any]) -> list[torch.Tensor]:
     first, *rest = recording["prompts"]
     return [first + 1, *rest]  # [P_0] each

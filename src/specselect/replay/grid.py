@@ -108,10 +108,10 @@ def selector_grid(
     configuration with it at every ``k`` and ``extra``, planned with the comparison's cost
     model. ``"oracle"`` is accepted besides the registry names, and a name may carry
     an acceptance estimator for selectors that take one: ``"tetris+calibrated"``,
-    ``"tetris+history"`` (TETRIS's default), ``"tetris+none"`` (the paper: no estimator, no
-    guard); see :func:`~specselect.registry.parse_spec`. Specs that configure the same selector
-    (``"tetris"`` and ``"tetris+choice"``, its default estimator) give one set of
-    configurations, under the first spelling, as repeated grid values give one.
+    ``"tetris+history"`` (the learned request-history estimate alone), ``"tetris+none"`` (the
+    paper: no estimator, no guard); see :func:`~specselect.registry.parse_spec`. Specs that
+    configure the same selector (``"tetris"`` and ``"tetris+choice"``, its default estimator)
+    give one set of configurations, under the first spelling, as repeated grid values give one.
 
     Raises:
         ValueError: unknown selector name or estimator, an estimator for a selector that takes

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from specselect._checks import check_int
 from specselect.cost import CostModel, default_cost_model
 from specselect.metrics import StepCounts, Totals
 from specselect.replay.engine import replay
@@ -78,6 +79,10 @@ def live_totals(
     """
     from specselect.hf import speculative_generate
 
+    check_int("slots", slots, minimum=1)  # (a negative one ran nothing and reported zeros)
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt_ids is empty; live_totals needs at least one prompt")
     steps: list[StepCounts] = []
     seconds = 0.0
     device = next(target.parameters()).device
@@ -155,6 +160,7 @@ def compare_live(
     """
     from tqdm.auto import tqdm
 
+    check_int("slots", slots, minimum=1)
     cost_model = default_cost_model() if cost_model is None else cost_model
     prompt_ids = list(traces.prompt_ids)
     max_new_tokens = traces.max_new_tokens

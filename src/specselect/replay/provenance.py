@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specselect._checks import check_int
 from specselect.cost import CostModel
 from specselect.models import TINY_PAIR_DIR
 from specselect.replay.traces import Traces, describe_model
@@ -241,10 +242,21 @@ def reuse_traces(
 
     Raises:
         TraceMismatchError: the traces do not serve the run (the message says why).
-        ValueError: only one of ``target`` and ``draft``.
+        ValueError: only one of ``target`` and ``draft``; sizes < 1; no prompt in
+            ``prompt_ids``, or ``texts`` of another length.
     """
     if (target is None) != (draft is None):
         raise ValueError("reuse_traces takes target and draft together, or neither")
+    check_int("max_k", max_k, minimum=1)
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
+    if prompt_ids is not None:
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt_ids is empty; pass None to check no prompt")
+        prompt_ids = [torch.as_tensor(ids) for ids in prompt_ids]  # (lists, as recorded)
+        if texts is not None and len(texts) != len(prompt_ids):
+            raise ValueError(
+                f"texts must hold one text per prompt ({len(prompt_ids)}), got {len(texts)}"
+            )
     check_trace_shape(traces, max_k=max_k, max_new_tokens=max_new_tokens, name=name)
     if target is not None and draft is not None:
         check_trace_models(traces, target, draft, name=name)

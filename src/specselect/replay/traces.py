@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specselect._checks import check_int, check_integer_tensor, check_tensor
+from specselect._checks import check_int, check_integer_tensor, check_logprobs
 from specselect.lookup import LOOKUP_WINDOW, chain_paths, lookup_features
 from specselect.selection import leading_run
 
@@ -89,7 +89,9 @@ class Traces:
     def __post_init__(self) -> None:
         check_integer_tensor("output_ids", self.output_ids, rank=2, what="of token ids")
         check_integer_tensor("draft_tokens", self.draft_tokens, rank=3, what="of token ids")
-        check_tensor("draft_logprobs", self.draft_logprobs, rank=3)
+        # Values too (a replay trusts them: its selectors skip their own checks, and a NaN
+        # ranked as a score turns into an index far out of bounds).
+        check_logprobs("draft_logprobs", self.draft_logprobs, rank=3)
         n, length = self.output_ids.shape
         if n == 0:  # a replay of nothing would report zeros as if they were measured
             raise ValueError("traces must hold at least one request, got 0")
@@ -104,10 +106,6 @@ class Traces:
             raise ValueError(
                 f"draft_logprobs must have the shape of draft_tokens "
                 f"{tuple(self.draft_tokens.shape)}, got {tuple(self.draft_logprobs.shape)}"
-            )
-        if not self.draft_logprobs.is_floating_point():
-            raise TypeError(
-                f"draft_logprobs must be floating point, got {self.draft_logprobs.dtype}"
             )
         if len(self.prompt_ids) != n:
             raise ValueError(
@@ -196,8 +194,14 @@ def _request_lookup_features(
 
 
 def save_traces(traces: Traces, path: str | Path) -> Path:
-    """Write ``traces`` to one ``.pt`` file (plain tensors, lists and JSON-like metadata)."""
+    """Write ``traces`` to one ``.pt`` file (plain tensors, lists and JSON-like metadata).
+
+    Raises:
+        IsADirectoryError: ``path`` is a directory (torch's own error names no path).
+    """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{str(path)!r} is a directory; name the .pt file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": TRACE_FORMAT,
@@ -407,11 +411,48 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def _as_prompt(prompt: Tensor | Sequence[int], index: int) -> Tensor:
-    t = torch.as_tensor(prompt, dtype=torch.int64).reshape(-1).cpu()
+def _as_prompt(prompt: object, index: int, vocab: int | None) -> Tensor:
+    """``prompts[index]`` as a ``[P]`` int64 CPU tensor, refused unless it is a 1-D sequence of
+    token ids below ``vocab`` (a 2-D prompt used to be flattened into one, float ids
+    truncated, and ids beyond the vocabulary failed inside the embedding)."""
+    name = f"prompts[{index}]"
+    if isinstance(prompt, str | bytes):
+        raise TypeError(f"{name} is a string; record_traces takes token ids (tokenize it first)")
+    try:
+        t = torch.as_tensor(prompt)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"{name} must be a 1-D tensor or sequence of token ids ({exc})") from None
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{name} must hold integer token ids, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D (one prompt's token ids), got shape {tuple(t.shape)}")
     if t.numel() == 0:
-        raise ValueError(f"prompts[{index}] is empty; every prompt needs at least one token")
+        raise ValueError(f"{name} is empty; every prompt needs at least one token")
+    t = t.to(torch.int64).cpu()
+    low, high = int(t.min()), int(t.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        bound = "" if vocab is None else f" and below the vocabulary size {vocab}"
+        raise ValueError(f"{name} holds token id {low if low < 0 else high}; ids are >= 0{bound}")
     return t
+
+
+#: The ``meta`` keys :func:`record_traces` writes itself, which a caller's ``meta`` may not set.
+RECORDED_META = (
+    "target",
+    "draft",
+    "max_new_tokens",
+    "max_k",
+    "num_requests",
+    "eos_stops",
+    "versions",
+)
+
+
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    """Rows of ``model``'s input embedding (ids at or above it fail inside it), if it says."""
+    embeddings = getattr(model, "get_input_embeddings", None)
+    weight = getattr(embeddings(), "weight", None) if callable(embeddings) else None
+    return int(weight.shape[0]) if isinstance(weight, Tensor) and weight.dim() == 2 else None
 
 
 def record_traces(
@@ -441,15 +482,28 @@ def record_traces(
             ask for).
         batch_size: contexts per draft forward pass.
         progress: show a tqdm progress bar.
-        meta: extra JSON-compatible metadata stored with the traces.
+        meta: extra JSON-compatible metadata stored with the traces (not the keys of
+            :data:`RECORDED_META`, which it records itself).
+
+    Raises:
+        TypeError, ValueError: a prompt that is not a non-empty 1-D sequence of token ids
+            within the target's vocabulary (named ``prompts[i]``), sizes < 1, or ``meta``
+            setting a recorded key.
     """
     check_int("max_new_tokens", max_new_tokens, minimum=1)
     check_int("max_k", max_k, minimum=1)
     check_int("batch_size", batch_size, minimum=1)
     if len(prompts) == 0:
         raise ValueError("prompts is empty; record_traces needs at least one prompt")
-    prompt_ids = [_as_prompt(p, i) for i, p in enumerate(prompts)]
+    vocab = _vocab_size(target)
+    prompt_ids = [_as_prompt(p, i, vocab) for i, p in enumerate(prompts)]
     n = len(prompt_ids)
+    clash = sorted(set(meta or {}) & set(RECORDED_META))
+    if clash:
+        raise ValueError(
+            f"meta must not set {', '.join(map(repr, clash))}: record_traces records "
+            f"{', '.join(RECORDED_META)} itself (reuse checks read them)"
+        )
 
     bar = _progress_bar(n + n * max_new_tokens, "recording traces", progress)
     output_ids, _ = _chunked_continue(
