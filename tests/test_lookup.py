@@ -134,3 +134,43 @@ def test_an_empty_batch_has_no_features() -> None:
     window, filled = torch.zeros(0, 8, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
     tokens = torch.zeros(0, 3, dtype=torch.int64)
     assert lookup_features(window, filled, tokens, chain_paths(3, CPU)).shape == (0, 3, 4)
+
+
+def _push(**changes: object) -> None:
+    """push_tokens on a valid call of two rows, with ``changes``."""
+    call = {
+        "window": torch.zeros(2, 4, dtype=torch.int64),
+        "filled": torch.tensor([0, 2]),
+        "tokens": torch.tensor([[1, 2, 3], [4, 5, 6]]),
+        "counts": torch.tensor([3, 1]),
+        **changes,
+    }
+    push_tokens(**call)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "says"),
+    [
+        ({"counts": torch.tensor([5, 1])}, ValueError, r"counts must be <= the tokens per row"),
+        ({"counts": torch.tensor([-1, 1])}, ValueError, r"counts must be >= 0"),
+        ({"filled": torch.tensor([0, 9])}, ValueError, r"filled must be <= the window's width"),
+        ({"tokens": torch.tensor([1, 2, 3])}, ValueError, r"tokens must have rank 2"),
+        ({"tokens": torch.ones(3, 2, dtype=torch.int64)}, ValueError, r"tokens must have shape"),
+        ({"window": torch.zeros(2, 4)}, TypeError, r"window must be a \[B, W\] int64 tensor"),
+        ({"counts": torch.tensor([1.0, 1.0])}, TypeError, r"counts must be an integer tensor"),
+    ],
+)
+def test_push_tokens_refuses_bad_input(changes: dict, error: type, says: str) -> None:
+    """More counts than tokens repeated the last token and overstated ``filled``; the others
+    failed inside an index op or an expand, naming nothing."""
+    _push()  # the call itself is valid
+    with pytest.raises(error, match=says):
+        _push(**changes)
+
+
+def test_lookup_features_refuse_paths_of_another_shape() -> None:
+    window, filled = torch.zeros(2, 8, dtype=torch.int64), torch.tensor([8, 8])
+    tokens = torch.ones(2, 3, dtype=torch.int64)
+    assert lookup_features(window, filled, tokens, chain_paths(3, window.device)).shape == (2, 3, 4)
+    with pytest.raises(ValueError, match=r"paths must be \[B, N, D\] or \[N, D\] with B = 2"):
+        lookup_features(window, filled, tokens, chain_paths(4, window.device))

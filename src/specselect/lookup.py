@@ -21,6 +21,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from specselect._checks import (
+    _values_checkable,
+    check_integer_tensor,
+    check_ints,
+    check_non_negative,
+    check_same_device,
+)
 from specselect.constants import cached_constant
 
 MAX_NGRAM = 4  # the longest suffix looked up
@@ -51,6 +58,7 @@ def lookup_matches(
     token at depth ``t`` has entries ``0..t-1``, the last one itself, then ``-1``). Occurrences
     are searched in the committed tokens only, the follower included.
     """
+    _check_lookup(window, filled, tokens, paths)
     rows, width = window.shape
     nodes = tokens.shape[1]
     paths = paths.expand(rows, nodes, paths.shape[-1])  # [B, N, D]
@@ -94,6 +102,43 @@ def lookup_features(
     return torch.stack([agree, contradicts, agree * scaled, scaled], dim=2)
 
 
+def _check_window(window: Tensor, filled: Tensor) -> None:
+    """``window`` ``[B, W]`` int64 and ``filled`` ``[B]`` int64 on its device, in ``[0, W]``."""
+    if not isinstance(window, Tensor) or window.dim() != 2 or window.dtype != torch.int64:
+        got = f"{window.dtype} {tuple(window.shape)}" if isinstance(window, Tensor) else window
+        raise TypeError(f"window must be a [B, W] int64 tensor of token ids, got {got}")
+    rows, width = window.shape
+    check_non_negative("filled", check_ints("filled", filled, (rows,), window.device))
+    _check_at_most("filled", filled, width, "the window's width")
+
+
+def _check_at_most(name: str, t: Tensor, bound: int, what: str) -> None:
+    """A value check (skipped where values are not cheaply readable, as in the loop)."""
+    if _values_checkable(t) and t.numel() and int(t.max()) > bound:
+        raise ValueError(f"{name} must be <= {what} ({bound}), got max {int(t.max())}")
+
+
+def _check_rows(name: str, value: object, window: Tensor) -> Tensor:
+    """``value`` as a ``[B, T]`` integer tensor with the window's rows, on its device."""
+    t = check_integer_tensor(name, value, rank=2)
+    return check_ints(name, t, (window.shape[0], t.shape[1]), window.device)
+
+
+def _check_lookup(window: Tensor, filled: Tensor, tokens: Tensor, paths: Tensor) -> None:
+    """The arguments of :func:`lookup_matches` (shapes, dtypes and devices; free to check)."""
+    _check_window(window, filled)
+    rows, nodes = _check_rows("tokens", tokens, window).shape
+    if not isinstance(paths, Tensor) or paths.dim() not in (2, 3):
+        raise TypeError("paths must be a [B, N, D] or [N, D] integer tensor")
+    check_integer_tensor("paths", paths, rank=paths.dim())
+    if paths.shape[-2] != nodes or (paths.dim() == 3 and paths.shape[0] != rows):
+        raise ValueError(
+            f"paths must be [B, N, D] or [N, D] with B = {rows} and N = {nodes} (one path per "
+            f"token), got {tuple(paths.shape)}"
+        )
+    check_same_device("paths", paths, "window", window)
+
+
 def _columns(width: int, device: torch.device) -> Tensor:  # -> [W] int64
     return torch.arange(width, device=device)
 
@@ -132,7 +177,17 @@ def push_tokens(
     counts: Tensor,  # [B] int64, the first counts[b] of tokens[b] are appended
 ) -> None:
     """Append each row's first ``counts`` tokens to its window, in place: the oldest drop out
-    on the left. Static shapes: one gather over ``[B, W + T]``."""
+    on the left. Static shapes: one gather over ``[B, W + T]``.
+
+    Raises:
+        TypeError, ValueError: tensors of other ranks, shapes, dtypes or devices than those
+            above; ``counts`` outside ``[0, T]`` (a value check, where values are readable:
+            more than ``T`` repeated the last token and overstated ``filled``).
+    """
+    _check_window(window, filled)
+    _check_rows("tokens", tokens, window)
+    check_non_negative("counts", check_ints("counts", counts, (window.shape[0],), window.device))
+    _check_at_most("counts", counts, tokens.shape[1], "the tokens per row, tokens.shape[1]")
     width, appended = window.shape[1], tokens.shape[1]
     joined = torch.cat([window, tokens], dim=1)  # [B, W + T]
     source = torch.arange(width, device=window.device).unsqueeze(0) + counts.unsqueeze(1)
