@@ -28,10 +28,16 @@ def walk_up(parents: list[int], node: int) -> list[int]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(forests())
-def test_buffers_match_parent_walk(parents: torch.Tensor) -> None:
-    buffers = build_tree_buffers(parents)
+@given(forests(), st.booleans())
+def test_buffers_match_parent_walk(parents: torch.Tensor, bounded: bool) -> None:
+    """Also with ``max_depth`` the trees' depth (a draft tree's spec): the same buffers, the
+    paths cut to that bound."""
+    deepest = max(
+        (len(walk_up(row, j)) for row in parents.tolist() for j in range(len(row))), default=0
+    )
+    buffers = build_tree_buffers(parents, max_depth=deepest if bounded else None)
     rows, nodes = parents.shape
+    assert buffers.max_depth == (deepest if bounded else nodes)
     for i in range(rows):
         links = parents[i].tolist()
         for j in range(nodes):
@@ -51,6 +57,12 @@ def test_max_depth_is_the_static_bound_n() -> None:
     assert buffers.paths.shape == (1, 4, 4)
     assert buffers.max_depth == 4
     assert int(buffers.depth.max()) == 3
+
+
+def test_a_node_deeper_than_max_depth_is_refused() -> None:
+    """Its path would be cut."""
+    with pytest.raises(ValueError, match=r"node 3 of row 0 is deeper than max_depth = 2"):
+        build_tree_buffers(torch.tensor([[-1, 0, -1, 1]]), max_depth=2)
 
 
 @settings(max_examples=40, deadline=None)

@@ -18,9 +18,10 @@ a few named buffers (the same idea as Medusa's tree buffers, batched and per req
 * ``depth [B, N]`` int64 — 1 for children of the root; position id of a node = root position +
   depth;
 * ``paths [B, N, D]`` int64 — the root-to-node path of every node (node indices by depth,
-  ``-1`` beyond the node's depth), used to read out the accepted path. ``D = N``: the deepest
-  a tree of ``N`` nodes can be (a chain), a static bound, so that no shape depends on the
-  trees' values and nothing is read back to the host.
+  ``-1`` beyond the node's depth), used to read out the accepted path. ``D`` is a static bound
+  on the depth, so that no shape depends on the trees' values and nothing is read back to the
+  host: the trees' depth where the caller knows it (a draft tree's spec), else ``N``, the
+  deepest a tree of ``N`` nodes can be (a chain).
 """
 
 from __future__ import annotations
@@ -109,13 +110,14 @@ class TreeBuffers:
     parents: Tensor  # [B, N] int64, -1 = child of the root
     ancestors: Tensor  # [B, N, N] bool, ancestor-or-self
     depth: Tensor  # [B, N] int64, >= 1
-    paths: Tensor  # [B, N, D] int64, -1 padded; D = N
+    paths: Tensor  # [B, N, D] int64, -1 padded; D: a static bound on the depth
 
     @property
     def max_depth(self) -> int:
-        """``D``, the last dimension of :attr:`paths`: the static bound ``N`` on any node's
-        depth, not the depth of the deepest node (for ``parents [[-1, 0, 0, 1]]`` it is 4, the
-        deepest node being at depth 3; that one is ``int(depth.max())``, a host read)."""
+        """``D``, the last dimension of :attr:`paths`: the static bound on any node's depth
+        they were built with (``N`` by default), not the depth of the deepest node (for
+        ``parents [[-1, 0, 0, 1]]`` by default 4, the deepest node being at depth 3; that one
+        is ``int(depth.max())``, a host read)."""
         return self.paths.shape[2]
 
     def attention_mask(self) -> Tensor:
@@ -220,36 +222,37 @@ def check_parents(
     return t.to(torch.int64)
 
 
-def build_tree_buffers(parents: Tensor) -> TreeBuffers:
+def build_tree_buffers(parents: Tensor, max_depth: int | None = None) -> TreeBuffers:
     """Derive the ancestor mask, depths and root-to-node paths from ``parents`` ``[B, N]``.
 
-    Ancestry is the transitive closure of the parent relation; because parents precede their
-    children, one pass over the nodes in index order suffices: a node's ancestor set is its
-    parent's set plus itself. That is ``N`` small vectorised steps over the batch, with no host
-    sync, for the tree sizes used in speculative decoding (tens of nodes).
+    Every node walks up to the root at once, ``D`` steps of one gather each (``D`` =
+    ``max_depth``, a static bound on the trees' depth such as a draft tree's spec gives; by
+    default ``N``, the deepest a tree of ``N`` nodes can be): ``O(B·N·D)`` work and memory
+    besides the ``[B, N, N]`` ancestor mask, and no host sync.
+
+    Raises:
+        ValueError: a node deeper than ``max_depth`` (a value check, where values are
+            readable: its path would be cut).
     """
     parents = check_parents(parents)
     rows, n = parents.shape
-    device = parents.device
-    eye = torch.eye(n, dtype=torch.bool, device=device)
-    ancestors = eye.expand(rows, n, n).clone()
-    batch = torch.arange(rows, device=device)
-    for j in range(n):
-        parent = parents[:, j]  # [B]
-        inherited = ancestors[batch, parent.clamp(min=0)] & (parent >= 0).unsqueeze(1)  # [B, N]
-        ancestors[:, j] |= inherited
-    depth = ancestors.sum(dim=2)  # [B, N]
-    paths = _paths(ancestors, depth, n)
-    return TreeBuffers(parents=parents, ancestors=ancestors, depth=depth, paths=paths)
-
-
-def _paths(ancestors: Tensor, depth: Tensor, max_depth: int) -> Tensor:
-    """``[B, N, D]``: ``paths[i, j, d]`` is the ancestor of node ``j`` at depth ``d + 1``."""
-    if max_depth == 0:
-        return depth.new_zeros(*depth.shape, 0)
-    levels = torch.arange(1, max_depth + 1, device=depth.device)  # [D]
-    # at_level[i, j, t, d]: node t is an ancestor-or-self of j and sits at depth d + 1
-    at_level = ancestors.unsqueeze(3) & (depth.unsqueeze(1).unsqueeze(3) == levels)
-    found = at_level.any(dim=2)  # [B, N, D]
-    index = at_level.to(torch.int8).argmax(dim=2)  # [B, N, D]
-    return torch.where(found, index, torch.full_like(index, -1))
+    bound = n if max_depth is None else check_int("max_depth", max_depth)
+    # up[i, j, s]: the ancestor s levels above node j (s = 0: j itself; -1 above the root).
+    node = torch.arange(n, device=parents.device).expand(rows, n)  # [B, N]
+    steps = []
+    for _ in range(bound):
+        steps.append(node)
+        node = torch.where(node >= 0, parents.gather(1, node.clamp(min=0)), -1)
+    if max_depth is not None and _values_checkable(node) and bool((node >= 0).any()):
+        row, deep = (int(v) for v in (node >= 0).nonzero()[0])
+        raise ValueError(f"node {deep} of row {row} is deeper than max_depth = {max_depth}")
+    up = torch.stack(steps, dim=2) if steps else node.new_zeros(rows, n, 0)  # [B, N, D]
+    on_path = up >= 0  # [B, N, D]
+    depth = on_path.sum(dim=2)  # [B, N]
+    # paths[i, j, d]: the ancestor at depth d + 1, i.e. depth - 1 - d levels above j.
+    levels = torch.arange(bound, device=parents.device)  # [D]
+    above = (depth.unsqueeze(2) - 1 - levels).clamp(min=0)  # [B, N, D]
+    paths = torch.where(levels < depth.unsqueeze(2), up.gather(2, above), -1)  # [B, N, D]
+    hits = torch.zeros(rows, n, n, dtype=torch.int64, device=parents.device)
+    hits.scatter_add_(2, up.clamp(min=0), on_path.to(torch.int64))  # [B, N, N]
+    return TreeBuffers(parents=parents, ancestors=hits > 0, depth=depth, paths=paths)

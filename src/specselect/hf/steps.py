@@ -474,7 +474,7 @@ class TreeStep(Step):
         drafter = self._drafter()
         active = state.active[: state.size].to(drafter.handle.device)
         tree = drafter.draft_tree(active, self._spec(plan)).to(state.device)
-        buffers = build_tree_buffers(tree.parents)
+        buffers = build_tree_buffers(tree.parents, max_depth=plan.width)  # (the spec's depth)
         stored, stored_buffers = self._trees(plan)
         stored.copy_(tree)
         stored_buffers.ancestors.copy_(buffers.ancestors)
@@ -600,7 +600,7 @@ class TreeStep(Step):
             parents=tree.parents,
             ancestors=io("ancestors", nodes, nodes, dtype=torch.bool),
             depth=tree.depth,
-            paths=io("paths", nodes, nodes),
+            paths=io("paths", nodes, spec.depth),
         )
         return tree, buffers
 
