@@ -25,7 +25,7 @@ from hf_models import (
     tiny_pair,
 )
 from specselect import make_selector
-from specselect.hf import speculative_generate
+from specselect.hf import TreeSpec, speculative_generate
 from specselect.replay import OracleSelector
 
 VOCAB = 128
@@ -474,3 +474,44 @@ def test_a_model_without_weights_is_refused(which: str) -> None:
     models[which] = models[which].to("meta")
     with pytest.raises(ValueError, match=f"{which} has weights on the meta device"):
         call((models["target"], models["draft"]))
+
+
+def _with_infinite_logit(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose logit of token 100 is not finite (a row of its output
+    embedding at +inf; fp16 overflow gives such logits)."""
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.get_output_embeddings().weight[100] = torch.inf
+    return broken
+
+
+@pytest.mark.parametrize(
+    ("how", "tree"),
+    [("target", None), ("draft", None), ("temperature", None), ("target", TreeSpec(2, 2, 2))],
+)
+def test_sampling_refuses_a_nan_distribution(models, how: str, tree: TreeSpec | None) -> None:
+    """Sampling from a distribution holding NaN (a logit at +inf, or logits / temperature
+    overflowing) returned junk tokens without a word; generate() raises there. The step's
+    report says so (no sync of its own) and the call raises, naming the row."""
+    target, draft = models
+    if how == "target":
+        target = _with_infinite_logit(target)
+    elif how == "draft":
+        draft = _with_infinite_logit(draft)
+    sampling = {"do_sample": True, "temperature": 1e-38 if how == "temperature" else 1.0}
+    with pytest.raises(RuntimeError, match=r"sampling met a NaN in row \d+'s distribution"):
+        call((target, draft), tree=tree, **sampling)
+    if how != "draft":  # what generate() says of the same target and temperature
+        ids, mask = left_padded_prompts(4, 2, 6, VOCAB, 0)
+        with pytest.raises(RuntimeError, match=r"probability tensor contains either"):
+            target.generate(ids, attention_mask=mask, max_new_tokens=4, **sampling)
+
+
+def test_greedy_output_does_not_depend_on_a_nan_draft(models) -> None:
+    """Greedy verification reads the target alone: a draft whose logits hold +inf still gives
+    generate()'s output (its NaN confidences are never selected, not an estimator's crash)."""
+    target, draft = models
+    out = call((target, _with_infinite_logit(draft)), max_new_tokens=6)
+    ids, mask = left_padded_prompts(4, 2, 6, VOCAB, 0)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out.sequences, expected)

@@ -42,9 +42,10 @@ from specselect.lookup import LOOKUP_WINDOW, push_tokens
 from specselect.metrics import StepCounts, Totals
 
 #: Rows of a step's report, per slot: finished, verified, accepted, written, the target's and
-#: the draft's cache counts, and the deepest verified depth (a chain's verified count).
-FINISHED, VERIFIED, ACCEPTED, WRITTEN, TARGET_COUNT, DRAFT_COUNT, DEEPEST = range(7)
-REPORT_ROWS = DEEPEST + 1
+#: the draft's cache counts, the deepest verified depth (a chain's verified count), and whether
+#: sampling met a NaN in the slot's distributions.
+FINISHED, VERIFIED, ACCEPTED, WRITTEN, TARGET_COUNT, DRAFT_COUNT, DEEPEST, NAN = range(8)
+REPORT_ROWS = NAN + 1
 #: What the host keeps per caller row (GenerationState.per_row).
 PER_ROW = ("verified", "accepted", "emitted", "steps", "first_step")
 
@@ -525,6 +526,7 @@ class GenerationState:
         num_accepted: Tensor,  # [b] int64
         written: Tensor,  # [b] int64
         deepest: Tensor,  # [b] int64
+        nan_rows: Tensor | None = None,  # [b] bool, sampling: a NaN in the slot's distributions
     ) -> None:
         """Collect what the host must know after the step into the report buffer."""
         size = self.size
@@ -541,6 +543,7 @@ class GenerationState:
             TARGET_COUNT: self.target.count[:size],
             DRAFT_COUNT: draft_count,
             DEEPEST: deepest,
+            NAN: torch.zeros_like(deepest) if nan_rows is None else nan_rows.to(torch.int64),
         }
         report = torch.stack([rows[row] for row in range(REPORT_ROWS)])  # [REPORT_ROWS, b]
         self.io("report", (REPORT_ROWS, size), torch.int64).copy_(report)
@@ -585,6 +588,14 @@ class GenerationState:
         while the device waits; the statistics can wait until that launch has been made."""
         served = list(self.slot_rows)
         self.steps_read += 1
+        if any(report[NAN]):
+            row = served[report[NAN].index(1)]
+            raise RuntimeError(
+                f"sampling met a NaN in row {row}'s distribution (step {self.steps_read}): the "
+                "target's or the draft's logits hold +inf or NaN, or logits / temperature "
+                "overflow; generate() refuses such a distribution too ('probability tensor "
+                "contains either inf, nan or element < 0') rather than draw from it"
+            )
         written, finished = report[WRITTEN], report[FINISHED]
         self.counts = (report[TARGET_COUNT], report[DRAFT_COUNT])
         for slot, row in enumerate(served):

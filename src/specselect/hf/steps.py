@@ -32,6 +32,7 @@ one column wide.
 from __future__ import annotations
 
 import abc
+import math
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
@@ -329,7 +330,19 @@ class Step(abc.ABC):
         written, finished = state.emit(tokens, num_accepted, next_token)
         state.pending[: state.size] = next_token
         self._io("num_accepted", (state.size,)).copy_(num_accepted)
-        state.write_report(finished, verified, num_accepted, written, deepest)
+        nan_rows = (
+            self._io("nan_rows", (state.size,), torch.bool) if self.params.do_sample else None
+        )
+        state.write_report(finished, verified, num_accepted, written, deepest, nan_rows)
+
+    def _target_probs(self, logits: Tensor, drafts: Tensor) -> Tensor:  # [b, W, V]
+        """The target's processed distribution (sampling), and, for the report, the rows where
+        it or the drafts' (``[b, ..., V]``) hold a NaN: drawing from them would give junk
+        without a word, where ``generate`` raises."""
+        probs = self.params.probs(logits)
+        nan_rows = probs.isnan().flatten(1).any(dim=1) | drafts.isnan().flatten(1).any(dim=1)
+        self._io("nan_rows", (self.state.size,), torch.bool).copy_(nan_rows)
+        return probs
 
     def _verify_chain(self, k: int, sent: int) -> None:
         """The flat verify stage (chain steps, and tree steps without a tree).
@@ -355,7 +368,7 @@ class Step(abc.ABC):
             logits = F.pad(logits, (0, 0, 0, k - sent)) if sent < k else logits  # [b, k + 1, V]
             probs = self._draft_probs(size, k, logits)
             num_accepted, next_token = rejection_verify(
-                drafted, lengths, probs, self.params.probs(logits), self.generator
+                drafted, lengths, probs, self._target_probs(logits, probs), self.generator
             )
         state.target.commit(prefix_mask(num_accepted + 1, sent + 1))
         drafter = state.drafter
@@ -621,7 +634,7 @@ class TreeStep(Step):
             selected,
             buffers,
             tree.probs,
-            self.params.probs(logits),
+            self._target_probs(logits, tree.probs),
             sampled_children=self._drafter().sampled,
             max_depth=depth,
             max_children=self.tree.branch,
@@ -696,11 +709,12 @@ def _selection_scores(
 
     A selector that judged a *sampled* token by its own probability would bias speculative
     sampling (:mod:`specselect.scores`); greedy drafts are functions of their prefix and may be
-    judged by their own probability.
+    judged by their own probability. A NaN (draft logits at +inf or NaN) becomes ``-inf``, a
+    token never selected: ranked, it would fail an estimator's table lookup. Greedy output
+    does not depend on the draft; sampling verification reports the NaN in its distribution.
     """
-    if expected is None:
-        return logprobs
-    return causal_logprobs(logprobs, expected, parents)
+    scores = logprobs if expected is None else causal_logprobs(logprobs, expected, parents)
+    return scores.nan_to_num(nan=-math.inf, posinf=0.0)
 
 
 def _now() -> float:
