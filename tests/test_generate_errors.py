@@ -15,6 +15,8 @@ from transformers import (
     GenerationConfig,
     GPT2Config,
     GPT2LMHeadModel,
+    LlamaForTokenClassification,
+    LlamaModel,
     MistralConfig,
     MistralForCausalLM,
 )
@@ -134,6 +136,18 @@ def sliding_window_target(models) -> nn.Module:
 CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
     ("mismatched eos", "draft", draft_with(eos_token_id=5), ValueError, "share a tokenizer"),
     ("mismatched vocab", "draft", draft_with(vocab_size=96), ValueError, "vocabulary sizes"),
+    # A model without a language-model head failed deep inside (no .logits), or, with a head
+    # of another kind (token classification), generated junk; a compiled one was refused as
+    # lacking cache arguments (its wrapper's forward takes *args, **kwargs).
+    ("no lm head", "draft", lambda m: LlamaModel(m[0].config), TypeError, "no language-model"),
+    (
+        "classification head",
+        "target",
+        lambda m: LlamaForTokenClassification(m[0].config),
+        TypeError,
+        r"\(LlamaForTokenClassification\) has no language-model head",
+    ),
+    ("compiled", "target", lambda m: torch.compile(m[0]), TypeError, "torch.compile wrapper"),
     (
         "tokenizer not covered",
         "tokenizer",
@@ -430,14 +444,20 @@ def test_prompt_ending_in_pad_without_mask_raises(models) -> None:
 
 def test_positions_beyond_a_learned_table_raise_before_any_work() -> None:
     """GPT-2 embeds positions from a table of n_positions rows: a prompt plus max_new_tokens
-    beyond it is refused up front, naming the limit (generate() fails deep in the embedding)."""
+    whose tokens fed back (all but the last new one) go beyond it is refused up front, naming
+    the limit (generate() fails deep in the embedding); one more new token than the table has
+    rows runs, as under generate() (it was refused)."""
     config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=16)
     target = GPT2LMHeadModel(config).eval()
     ids, mask = left_padded_prompts(2, 4, 6, VOCAB, 0)
     kwargs = {"selector": None, "eos_token_id": []}
-    assert speculative_generate(target, None, ids, mask, max_new_tokens=10, **kwargs)
+    out = speculative_generate(target, None, ids, mask, max_new_tokens=11, **kwargs)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=11, do_sample=False)
+    assert torch.equal(out.sequences, expected)
     with pytest.raises(ValueError, match=r"embeds at most 16 positions .* needs 17"):
-        speculative_generate(target, None, ids, mask, max_new_tokens=11, **kwargs)
+        speculative_generate(target, None, ids, mask, max_new_tokens=12, **kwargs)
+    with pytest.raises((IndexError, RuntimeError)):  # (the embedding's index error)
+        target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
 
 
 def test_a_mask_that_cannot_be_inferred_warns(models) -> None:
@@ -515,3 +535,15 @@ def test_greedy_output_does_not_depend_on_a_nan_draft(models) -> None:
     ids, mask = left_padded_prompts(4, 2, 6, VOCAB, 0)
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert torch.equal(out.sequences, expected)
+
+
+def test_a_draft_listing_other_eos_ids_of_one_tokenizer_pairs(models) -> None:
+    """A chat target and its base-model draft share a tokenizer but list different EOS sets;
+    ids in common show one tokenizer (disjoint ones another), and only the target's are used:
+    the output is the one with the target's own draft."""
+    target, draft = models
+    eos = target.generation_config.eos_token_id
+    listed = copy.deepcopy(draft)
+    listed.generation_config.eos_token_id = [*([eos] if isinstance(eos, int) else eos), 5]
+    out = call((target, listed), max_new_tokens=6)
+    assert torch.equal(out.sequences, call(models, max_new_tokens=6).sequences)

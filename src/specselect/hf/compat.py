@@ -47,10 +47,23 @@ def check_causal_lm(name: str, model: object) -> nn.Module:
         name: the argument name (``"target"`` or ``"draft"``) used in messages.
         model: the candidate model.
     """
+    if isinstance(model, nn.Module) and hasattr(model, "_orig_mod"):  # torch.compile's wrapper
+        raise TypeError(
+            f"{name} is a torch.compile wrapper ({type(model).__name__}); pass the model itself "
+            f"({name}._orig_mod): speculative_generate drives its forward through its own "
+            "caches and masks (cuda_graphs=True captures its passes on a GPU)"
+        )
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(
             f"{name} must be a HuggingFace causal LM (an nn.Module with a .config), "
             f"got {type(model).__name__}"
+        )
+    can_generate = getattr(model, "can_generate", None)
+    if callable(can_generate) and not can_generate():
+        raise TypeError(
+            f"{name} ({type(model).__name__}) has no language-model head to generate with: "
+            "speculative_generate needs a causal LM (an ...ForCausalLM, as "
+            "AutoModelForCausalLM loads), as generate() does"
         )
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
@@ -114,12 +127,12 @@ def check_context_fits(
     name: str,
     handle: ModelHandle,
     longest: int,
-    needs: str = "the longest prompt plus max_new_tokens",
+    needs: str = "the longest prompt plus max_new_tokens, less the last new token (never fed)",
     lower: str = "shorten the prompt or lower max_new_tokens",
 ) -> None:
-    """Raise if a row of ``longest`` tokens (prompt + new tokens) exceeds what the model of
-    ``handle`` serves; ``needs`` says where ``longest`` comes from and ``lower`` what the
-    caller can change, for the message.
+    """Raise if a row of ``longest`` tokens fed to the model (a generation's last new token
+    never is) exceeds what the model of ``handle`` serves; ``needs`` says where ``longest``
+    comes from and ``lower`` what the caller can change, for the message.
 
     Two limits: a learned table of absolute positions (GPT-2's ``n_positions``, OPT's
     ``max_position_embeddings``) cannot embed positions past its end, and a sliding window
@@ -207,10 +220,17 @@ def _normalise_ids(value: object) -> object:
     return int(value)  # type: ignore[call-overload]
 
 
+def _as_tuple(ids: object) -> tuple[object, ...]:
+    return ids if isinstance(ids, tuple) else (ids,)
+
+
 def check_pair(target: nn.Module, draft: nn.Module, tokenizer: Sized | None = None) -> int:
     """Raise unless ``target`` and ``draft`` share a tokenizer; return the shared vocabulary size.
 
-    Special token ids present in both models must agree. Logit widths may differ only by padding
+    Special token ids present in both models must have an id in common: a model that names
+    other ids uses another tokenizer, while two models of one tokenizer may list different sets
+    (a chat model stops at its end-of-turn token too; its draft, a base model, need not). Only
+    the target's ids are used. Logit widths may differ only by padding
     rows (embedding matrices rounded up for speed); since a model alone cannot tell padding from a
     different vocabulary, a difference requires ``tokenizer``, and both widths must then cover
     ``len(tokenizer)``.
@@ -220,11 +240,13 @@ def check_pair(target: nn.Module, draft: nn.Module, tokenizer: Sized | None = No
     """
     target_ids, draft_ids = special_token_ids(target), special_token_ids(draft)
     for key in _SPECIAL_IDS:
-        if key in target_ids and key in draft_ids and target_ids[key] != draft_ids[key]:
-            raise ValueError(
-                f"target and draft do not share a tokenizer: target {key}={target_ids[key]}, "
-                f"draft {key}={draft_ids[key]}"
-            )
+        if key in target_ids and key in draft_ids:
+            mine, theirs = target_ids[key], draft_ids[key]
+            if not set(_as_tuple(mine)) & set(_as_tuple(theirs)):
+                raise ValueError(
+                    f"target and draft do not share a tokenizer: target {key}={mine}, draft "
+                    f"{key}={theirs} (no id in common)"
+                )
     widths = logits_width(target), logits_width(draft)
     if tokenizer is not None:
         size = len(tokenizer)

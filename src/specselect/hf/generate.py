@@ -209,10 +209,11 @@ def speculative_generate(
     )
     if tree is not None and tree.branch > vocab:
         raise ValueError(f"TreeSpec.branch ({tree.branch}) exceeds the vocabulary size ({vocab})")
-    longest = int(attention_mask.sum(dim=1).max()) + options.max_new_tokens
+    # Tokens a row feeds the models: its last new token is emitted, never fed back.
+    fed = int(attention_mask.sum(dim=1).max()) + options.max_new_tokens - 1
     for name, handle in (("target", t_handle), ("draft", d_handle)):
         if handle is not None:
-            check_context_fits(name, handle, longest)
+            check_context_fits(name, handle, fed)
     devices = [t_handle.device] + ([d_handle.device] if d_handle is not None else [])
     generators = split_generator(generator, *devices)
     mode = graph_mode(cuda_graphs, t_handle, d_handle, generators.values())
