@@ -401,6 +401,22 @@ def test_max_length_within_the_prompt_raises(models) -> None:
     assert call(models, max_new_tokens=None, generation_config=config).sequences.shape == (4, 7)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_the_default_length_stops_at_the_position_limit(arch: str) -> None:
+    """With no length given, generate() makes 20 new tokens but stops the sequence at the
+    config's max_position_embeddings: so does the loop (it made 20 beyond a Qwen2 limit, and
+    refused a GPT-2 whose table was too short for 20); a prompt at the limit raises."""
+    target = tiny_model(arch, seed=0, positions=16)
+    target.config.max_position_embeddings = 16  # (Qwen2 keeps its config's default otherwise)
+    ids, mask = left_padded_prompts(2, 10, 12, VOCAB, 0)
+    out = speculative_generate(target, None, ids, mask, selector=None, eos_token_id=[])
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, eos_token_id=[])
+    assert out.sequences.shape == (2, 16) and torch.equal(out.sequences, expected)
+    full, full_mask = left_padded_prompts(2, 16, 16, VOCAB, 0)
+    with pytest.raises(ValueError, match=r"capped at the target's max_position_embeddings \(16\)"):
+        speculative_generate(target, None, full, full_mask, selector=None, eos_token_id=[])
+
+
 def test_model_config_options_are_checked_with_a_caller_config(models) -> None:
     """Options set only in target.generation_config still apply when the caller passes a
     generation_config (generate() merges them), so unsupported ones must raise."""

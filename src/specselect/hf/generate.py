@@ -196,6 +196,7 @@ def speculative_generate(
         generation_config,
         getattr(target, "generation_config", None),
         check_tensor("input_ids", input_ids, rank=2).shape[1],
+        _position_limit(target),
         max_new_tokens=max_new_tokens,
         do_sample=do_sample,
         temperature=temperature,
@@ -244,6 +245,13 @@ def speculative_generate(
             limit=input_ids.shape[0] if limit is None else limit,
         )
         return loop.run(input_ids, attention_mask, progress)
+
+
+def _position_limit(target: object) -> int | None:
+    """The target config's ``max_position_embeddings`` (which caps ``generate``'s default
+    length), if it is an int."""
+    limit = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
 def _checked_models(

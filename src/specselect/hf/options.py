@@ -124,6 +124,7 @@ def resolve_options(
     generation_config: GenerationConfig | None,
     default_config: GenerationConfig | None,
     prompt_width: int,
+    position_limit: int | None = None,
     **overrides: Any,
 ) -> GenerationOptions:
     """Merge ``generation_config``, ``default_config``, global defaults and ``overrides``.
@@ -133,6 +134,8 @@ def resolve_options(
         default_config: the target model's ``generation_config`` (may be ``None``); it fills the
             fields ``generation_config`` leaves unset.
         prompt_width: padded prompt length, to turn an explicit ``max_length`` into new tokens.
+        position_limit: the target config's ``max_position_embeddings``, which caps the default
+            length (prompt plus the default ``max_length`` new tokens), as in ``generate``.
         overrides: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
             ``eos_token_id``, ``pad_token_id``; they override everything. ``None`` means not
             given, except for ``eos_token_id``, where it means "no EOS" as in ``generate`` and
@@ -154,7 +157,7 @@ def resolve_options(
     pad = config.pad_token_id
     pad = None if pad is None else check_int("pad_token_id", pad)
     return GenerationOptions(
-        max_new_tokens=_max_new_tokens(config, explicit_max_length, prompt_width),
+        max_new_tokens=_max_new_tokens(config, explicit_max_length, prompt_width, position_limit),
         sampling=_sampling(config),
         eos_token_ids=eos,
         pad_token_id=pad if pad is not None else (eos[0] if eos else 0),
@@ -192,18 +195,33 @@ def merge_generation_config(
     return config, explicit_max_length
 
 
-def _max_new_tokens(config: GenerationConfig, explicit_max_length: bool, prompt_width: int) -> int:
-    """``max_new_tokens``, else an explicit ``max_length - prompt_width``, else the default 20.
+def _max_new_tokens(
+    config: GenerationConfig,
+    explicit_max_length: bool,
+    prompt_width: int,
+    position_limit: int | None,
+) -> int:
+    """``max_new_tokens``, else an explicit ``max_length - prompt_width``, else the default
+    (20), the total capped at ``position_limit`` as in ``generate``.
 
-    An explicit ``max_length`` that leaves no room after the prompt raises, as in ``generate``.
+    An explicit ``max_length``, or the capped default, that leaves no room after the prompt
+    raises, as in ``generate``.
     """
     if config.max_new_tokens is not None:  # >= 1, as in generate()
         return check_int("max_new_tokens", config.max_new_tokens, minimum=1)
     if config.max_length is None:
         return DEFAULT_MAX_NEW_TOKENS
     max_length = check_int("max_length", config.max_length)
-    if not explicit_max_length:
-        return max_length  # generate() adds the global default to the prompt length
+    if not explicit_max_length:  # generate() adds the default to the prompt, up to the limit
+        if position_limit is None or prompt_width + max_length <= position_limit:
+            return max_length
+        if position_limit <= prompt_width:
+            raise ValueError(
+                f"the default length (max_length {max_length} new tokens) is capped at the "
+                f"target's max_position_embeddings ({position_limit}), which the padded prompt "
+                f"({prompt_width}) already reaches, as in generate(); set max_new_tokens"
+            )
+        return position_limit - prompt_width
     if max_length <= prompt_width:
         raise ValueError(
             f"max_length ({max_length}) must exceed the padded prompt length ({prompt_width}): "
