@@ -388,6 +388,19 @@ def test_too_small_cache_slack_says_which_would_do(models, spec: dict[str, Any])
     pytest.fail(f"four rounds of cache_slack advice did not run the call: {message}")
 
 
+@pytest.mark.parametrize("spec", [{"name": "fixed", "k": 12}, {"name": "tetris", "k": 3}])
+def test_the_slack_advised_for_every_step_runs_the_call(models, spec: dict[str, Any]) -> None:
+    """The advice for every step as wide (the step's columns beside the longest row, which
+    never outgrows its prompt and max_new_tokens) runs the call at once, however the rows
+    drift (the value for the failing step alone could fail again at a later one)."""
+    new = {"max_new_tokens": 30}
+    with pytest.raises(RuntimeError, match=r"cache_slack=0 is too small") as caught:
+        call(models, selector=make_selector(**spec), cache_slack=0, **new)
+    every = re.search(r"or >= (\d+) for every step as wide", str(caught.value))
+    assert every is not None, str(caught.value)
+    call(models, selector=make_selector(**spec), cache_slack=int(every.group(1)), **new)
+
+
 def test_max_length_within_the_prompt_raises(models) -> None:
     """An explicit max_length counts the padded prompt (width 6): 6 leaves no room, as in
     generate(), which raises too; 7 gives one new token."""

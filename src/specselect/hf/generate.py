@@ -560,12 +560,14 @@ class _Loop:
         # What the caches hold besides the slack (graph mode's alignment columns left out:
         # the capacity a larger slack gives is rounded up again).
         reserved = prompt + self.options.max_new_tokens + self._tree_columns()
+        this_step = full.columns - reserved
         return (
             f"cache_slack={self.slack} is too small for this call: a step needed {full.columns} "
             f"cache columns per row, the caches hold {full.capacity}; pass cache_slack >= "
-            f"{full.columns - reserved} for this step (rows drift further apart as a call goes "
-            f"on, so a later step may need more; the default, {DEFAULT_CACHE_SLACK}, holds "
-            "chains of several dozen drafts)"
+            f"{this_step} for this step, or >= {max(this_step, full.width)} for every step as "
+            f"wide ({full.width} columns beside the longest row, which never holds more than "
+            "its prompt and max_new_tokens) however far the rows drift apart; the default, "
+            f"{DEFAULT_CACHE_SLACK}, holds chains of several dozen drafts"
         )
 
     def _generate(

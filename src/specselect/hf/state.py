@@ -270,14 +270,15 @@ class CacheFull(RuntimeError):
     Attributes:
         columns: the columns per row the step needed.
         capacity: the columns per row the caches hold.
+        width: the columns the step writes beside the longest row.
     """
 
-    def __init__(self, columns: int, capacity: int) -> None:
+    def __init__(self, columns: int, capacity: int, width: int) -> None:
         super().__init__(
             f"a step needs {columns} cache columns per row, more than the {capacity} the caches "
             "hold after compaction: pass a larger cache_slack"
         )
-        self.columns, self.capacity = columns, capacity
+        self.columns, self.capacity, self.width = columns, capacity, width
 
 
 @dataclass(frozen=True)
@@ -662,7 +663,7 @@ class GenerationState:
         for cache, width, counts in caches:
             used = max(counts[slot] for slot in keep)
             if used + width > cache.capacity:
-                raise CacheFull(used + width, cache.capacity)
+                raise CacheFull(used + width, cache.capacity, width)
             rows = host_index(keep, cache.count.device)
             if cache is self.target:
                 cache.compact(rows, used)
