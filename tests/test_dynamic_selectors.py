@@ -532,6 +532,7 @@ def test_dsd_probes_when_a_window_of_zero_looks_best() -> None:
     assert min(windows[8:]) >= 1  # the probes were all accepted: drafting pays after all
 
 
+@pytest.mark.filterwarnings("ignore:DSDSelector learns from observe")  # (nothing to observe)
 def test_dsd_does_not_probe_without_active_rows() -> None:
     """With no active row there is nothing to probe: a window of 0, also at a probe interval
     (it drafted one token for nobody there)."""

@@ -336,6 +336,8 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
 ]
 
 
+# (torch.compile's first use imports modules that warn of their own deprecation)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize(
     ("argument", "build", "error", "pattern"),
     [case[1:] for case in CASES],
@@ -423,7 +425,8 @@ def test_the_default_length_stops_at_the_position_limit(arch: str) -> None:
     target.config.max_position_embeddings = 16  # (Qwen2 keeps its config's default otherwise)
     ids, mask = left_padded_prompts(2, 10, 12, VOCAB, 0)
     out = speculative_generate(target, None, ids, mask, selector=None, eos_token_id=[])
-    expected = target.generate(ids, attention_mask=mask, do_sample=False, eos_token_id=[])
+    with pytest.warns(UserWarning, match="model-agnostic default `max_length`"):
+        expected = target.generate(ids, attention_mask=mask, do_sample=False, eos_token_id=[])
     assert out.sequences.shape == (2, 16) and torch.equal(out.sequences, expected)
     full, full_mask = left_padded_prompts(2, 16, 16, VOCAB, 0)
     with pytest.raises(ValueError, match=r"capped at the target's max_position_embeddings \(16\)"):
