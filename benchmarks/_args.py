@@ -1,39 +1,25 @@
 """Argument types the benchmark scripts share: a bad value is an argparse error naming the
-option before anything loads or runs, not a traceback (or a table of nonsense) after it."""
+option before anything loads or runs, not a traceback (or a table of nonsense) after it. The
+integer types are ``specselect compare``'s own."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from specselect.cli import int_list_option, integer_option
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
     """An ``int`` option's type that refuses values below ``minimum``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
+    return integer_option("the value", minimum)  # type: ignore[no-any-return]
 
 
-def int_list(minimum: int) -> Callable[[str], list[int]]:
-    """A comma-separated list of ints >= ``minimum`` (``"1,8,32"``), at least one."""
-    one = at_least(minimum)
-
-    def parse(text: str) -> list[int]:
-        parts = text.split(",")
-        if not text or any(not part.strip() for part in parts):
-            raise argparse.ArgumentTypeError(f"expected ints separated by commas, got {text!r}")
-        return [one(part.strip()) for part in parts]
-
-    return parse
+def int_list(minimum: int) -> Callable[[str], Any]:
+    """Comma-separated ints >= ``minimum`` (``"1,8,32"``, duplicates dropped), at least one."""
+    return int_list_option("the list", minimum)  # type: ignore[no-any-return]
 
 
 def output_file(text: str) -> Path:

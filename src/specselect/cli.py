@@ -83,7 +83,9 @@ class UsageError(Exception):
 # --------------------------------------------------------------------------------------------
 
 
-def _int_list(option: str, minimum: int, names: tuple[str, ...] = (), at_least: int = 1) -> Any:
+def int_list_option(
+    option: str, minimum: int, names: tuple[str, ...] = (), at_least: int = 1
+) -> Any:
     """An argparse ``type`` for comma-separated ints ``>= minimum``, or any of ``names``
     (duplicates dropped), at least ``at_least`` distinct ones."""
     expected = "integers" + "".join(f" or {name!r}" for name in names)
@@ -162,7 +164,7 @@ def _tree_spec(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _integer(option: str, minimum: int) -> Any:
+def integer_option(option: str, minimum: int) -> Any:
     """An argparse ``type`` for one integer >= ``minimum``."""
 
     def parse(text: str) -> int:
@@ -254,7 +256,7 @@ def _add_model_arguments(models: Any) -> None:
     )
     models.add_argument(
         "--limit",
-        type=_integer("--limit", 1),
+        type=integer_option("--limit", 1),
         metavar="N",
         help="use the first N prompts (default: all)",
     )
@@ -287,21 +289,21 @@ def _add_grid_arguments(grid: Any) -> None:
     grid.add_argument(
         "--k",
         metavar="K,...",
-        type=_int_list("--k", 1),
+        type=int_list_option("--k", 1),
         default="2,3,4",
         help="mean windows k, the budget per request (default: %(default)s)",
     )
     grid.add_argument(
         "--extra",
         metavar="EXTRA,...",
-        type=_int_list("--extra", 0),
+        type=int_list_option("--extra", 0),
         default="1,2,3",
         help="extra draft tokens beyond k (default: %(default)s)",
     )
     grid.add_argument(
         "--budget",
         metavar="C,...",
-        type=_int_list("--budget", 0, names=(GOODPUT,)),
+        type=int_list_option("--budget", 0, names=(GOODPUT,)),
         default=[],
         help="absolute budgets C (draft tokens verified per step over the batch) "
         "for selectors that take one (TETRIS, oracle), in addition to k * active; "
@@ -313,7 +315,7 @@ def _add_grid_arguments(grid: Any) -> None:
 def _add_run_arguments(run: Any) -> None:
     run.add_argument(
         "--slots",
-        type=_integer("--slots", 1),
+        type=integer_option("--slots", 1),
         default=32,
         metavar="N",
         help="batch slots (default: %(default)s)",
@@ -321,7 +323,7 @@ def _add_run_arguments(run: Any) -> None:
     run.add_argument(
         "--max-new-tokens",
         metavar="N",
-        type=_integer("--max-new-tokens", 1),
+        type=integer_option("--max-new-tokens", 1),
         default=64,
         help="tokens generated per request; EOS does not stop a request (default: %(default)s)",
     )
@@ -370,7 +372,7 @@ def _add_run_arguments(run: Any) -> None:
     run.add_argument(
         "--threads",
         metavar="N",
-        type=_integer("--threads", 0),
+        type=integer_option("--threads", 0),
         default=DEFAULT_THREADS,
         help="CPU threads torch uses during the run, restored afterwards; 1 is fastest for "
         "small models such as the shipped pair, and on a busy machine; raise it for larger "
@@ -450,14 +452,14 @@ def _add_profile_parser(commands: Any) -> None:
         profile.add_argument(
             option,
             metavar=metavar,
-            type=_int_list(option, minimum, at_least=at_least),
+            type=int_list_option(option, minimum, at_least=at_least),
             default=",".join(map(str, default)),
             help=f"{text} (default: %(default)s)",
         )
     profile.add_argument(
         "--repeats",
         metavar="N",
-        type=_integer("--repeats", 1),
+        type=integer_option("--repeats", 1),
         default=DEFAULT_REPEATS,
         help="timed calls per shape, of which a shape keeps one statistic (--statistic) "
         "(default: %(default)s)",
@@ -480,7 +482,7 @@ def _add_profile_parser(commands: Any) -> None:
     profile.add_argument(
         "--threads",
         metavar="N",
-        type=_integer("--threads", 0),
+        type=integer_option("--threads", 0),
         default=DEFAULT_THREADS,
         help="CPU threads torch uses while timing, restored afterwards; 0 keeps torch's "
         "setting (default: %(default)s)",

@@ -154,9 +154,6 @@ def load_models(
         TypeError, ValueError: a bad ``dtype``, ``device`` or ``attn_implementation``.
         OSError: a directory transformers cannot load (its own message names it).
     """
-    dtype = _check_dtype(dtype)
-    device = _check_device(device)
-    _check_attn_implementation(attn_implementation)
     from transformers import AutoTokenizer
 
     # The tokenizer first: it loads in milliseconds, so a wrong directory fails before the models.
