@@ -15,11 +15,13 @@ from transformers import (
     GenerationConfig,
     GPT2Config,
     GPT2LMHeadModel,
+    LlamaForCausalLM,
     LlamaForTokenClassification,
     LlamaModel,
     MistralConfig,
     MistralForCausalLM,
 )
+from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 
 from hf_models import (
     left_padded_prompts,
@@ -567,6 +569,31 @@ def test_greedy_output_does_not_depend_on_a_nan_draft(models) -> None:
     ids, mask = left_padded_prompts(4, 2, 6, VOCAB, 0)
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert torch.equal(out.sequences, expected)
+
+
+def test_a_language_model_of_ones_own_without_generation_mixin_runs(models) -> None:
+    """A PreTrainedModel of one's own with an LM head that does not mix in GenerationMixin
+    (so can_generate() is False) is a causal LM all the same: it generates what the same
+    weights do as a LlamaForCausalLM."""
+
+    class MyLM(LlamaPreTrainedModel):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.model = LlamaModel(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+        forward = LlamaForCausalLM.forward
+
+    target = models[0]
+    mine = MyLM(target.config).eval()
+    mine.load_state_dict(target.state_dict())
+    assert not mine.can_generate()
+    ids, mask = left_padded_prompts(2, 2, 6, VOCAB, 0)
+    kwargs = {"selector": None, "max_new_tokens": 5, "eos_token_id": []}
+    out = speculative_generate(mine, None, ids, mask, **kwargs)
+    assert torch.equal(
+        out.sequences, speculative_generate(target, None, ids, mask, **kwargs).sequences
+    )
 
 
 def test_a_draft_listing_other_eos_ids_of_one_tokenizer_pairs(models) -> None:

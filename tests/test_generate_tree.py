@@ -9,6 +9,7 @@ the chain tests' cases: ``test_generate_greedy.case`` (prompts, an EOS id the ta
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import pytest
@@ -489,3 +490,14 @@ def test_tree_mode_needs_maskable_attention() -> None:
     ids, mask = left_padded_prompts(2, 1, 4, GREEDY_VOCAB, 0)
     with pytest.raises(ValueError, match="tree masks"):
         speculative_generate(target, draft, ids, mask, selector=SELECTORS["fixed"](), tree=TREE)
+
+
+def test_selection_scores_keep_never_and_hide_nan() -> None:
+    """What the selector sees: ``-inf`` (a token outside top-k/top-p, never to be verified)
+    stays ``-inf`` and a NaN (draft logits at +inf) becomes it; finite scores pass unchanged.
+    (Mapping NaN alone must not turn ``-inf`` into the lowest finite float, which a budget
+    would then select.)"""
+    from specselect.hf.steps import _selection_scores
+
+    scores = _selection_scores(torch.tensor([[-math.inf, math.nan, -1.5, 0.0]]), None)
+    assert scores.tolist() == [[-math.inf, -math.inf, -1.5, 0.0]]

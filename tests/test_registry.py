@@ -11,7 +11,7 @@ import pytest
 from specselect.cost import default_cost_model
 from specselect.estimators import ESTIMATORS, NO_ESTIMATOR
 from specselect.registry import SelectorSpec, make_selector, parse_spec, spec_estimators
-from specselect.replay import SelectorConfig
+from specselect.replay import SelectorConfig, selector_grid
 from specselect.selectors import SELECTORS
 
 
@@ -261,3 +261,6 @@ def test_selectors_wrapping_a_constructor_take_its_keywords() -> None:
     assert repr(selector).startswith("Wrapped(note='mine', k=3, extra=2,")
     with pytest.raises(TypeError, match=r"does not take nope; it takes note, k, extra"):
         make_selector("wrapped", k=3, nope=1)
+    # Specs differ by the parent's arguments too (they all counted as one configuration).
+    specs = ["wrapped", "wrapped+none", "wrapped+calibrated"]
+    assert [config.name for config in selector_grid(specs, [2], [1])] == specs

@@ -27,6 +27,7 @@ from specselect._checks import (
     check_ints,
     check_non_negative,
     check_same_device,
+    values_trusted,
 )
 from specselect.constants import cached_constant
 
@@ -58,7 +59,8 @@ def lookup_matches(
     token at depth ``t`` has entries ``0..t-1``, the last one itself, then ``-1``). Occurrences
     are searched in the committed tokens only, the follower included.
     """
-    _check_lookup(window, filled, tokens, paths)
+    if not values_trusted():  # (a loop's own tensors, every step: checked by construction)
+        _check_lookup(window, filled, tokens, paths)
     rows, width = window.shape
     nodes = tokens.shape[1]
     paths = paths.expand(rows, nodes, paths.shape[-1])  # [B, N, D]
@@ -124,6 +126,14 @@ def _check_rows(name: str, value: object, window: Tensor) -> Tensor:
     return check_ints(name, t, (window.shape[0], t.shape[1]), window.device)
 
 
+def _check_push(window: Tensor, filled: Tensor, tokens: Tensor, counts: Tensor) -> None:
+    """The arguments of :func:`push_tokens`."""
+    _check_window(window, filled)
+    _check_rows("tokens", tokens, window)
+    check_non_negative("counts", check_ints("counts", counts, (window.shape[0],), window.device))
+    _check_at_most("counts", counts, tokens.shape[1], "the tokens per row, tokens.shape[1]")
+
+
 def _check_lookup(window: Tensor, filled: Tensor, tokens: Tensor, paths: Tensor) -> None:
     """The arguments of :func:`lookup_matches` (shapes, dtypes and devices; free to check)."""
     _check_window(window, filled)
@@ -182,12 +192,11 @@ def push_tokens(
     Raises:
         TypeError, ValueError: tensors of other ranks, shapes, dtypes or devices than those
             above; ``counts`` outside ``[0, T]`` (a value check, where values are readable:
-            more than ``T`` repeated the last token and overstated ``filled``).
+            more than ``T`` repeated the last token and overstated ``filled``). Nothing is
+            checked inside :func:`~specselect._checks.trusted_values` (a loop's own tensors).
     """
-    _check_window(window, filled)
-    _check_rows("tokens", tokens, window)
-    check_non_negative("counts", check_ints("counts", counts, (window.shape[0],), window.device))
-    _check_at_most("counts", counts, tokens.shape[1], "the tokens per row, tokens.shape[1]")
+    if not values_trusted():  # (a loop's own tensors, every step: checked by construction)
+        _check_push(window, filled, tokens, counts)
     width, appended = window.shape[1], tokens.shape[1]
     joined = torch.cat([window, tokens], dim=1)  # [B, W + T]
     source = torch.arange(width, device=window.device).unsqueeze(0) + counts.unsqueeze(1)

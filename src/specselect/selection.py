@@ -705,23 +705,25 @@ class Selector(abc.ABC):
 
 
 def constructor_keywords(cls: type) -> list[str]:
-    """The keyword arguments ``cls(...)`` takes: its constructor's named parameters and, where
-    it passes ``**kwargs`` on (a subclass wrapping its parent's constructor), those of the
-    first class up its MRO that names all of its own."""
-    names: list[str] = []
+    """The keyword arguments ``cls(...)`` takes (see :func:`constructor_parameters`)."""
+    return list(constructor_parameters(cls))
+
+
+def constructor_parameters(cls: type) -> dict[str, inspect.Parameter]:
+    """The named parameters of ``cls``'s constructor and, where it passes ``**kwargs`` on (a
+    subclass wrapping its parent's constructor), those of the classes up its MRO, until one
+    that names all of its own: what ``cls(name=...)`` takes, with each one's default."""
+    found: dict[str, inspect.Parameter] = {}
     for klass in cls.__mro__:
         if "__init__" not in vars(klass):
             continue
-        init = vars(klass)["__init__"]
-        params = list(inspect.signature(init).parameters.values())[1:]  # (self)
-        names += [
-            p.name
-            for p in params
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in names
-        ]
+        params = list(inspect.signature(vars(klass)["__init__"]).parameters.values())[1:]
+        for p in params:  # (the first is self)
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                found.setdefault(p.name, p)
         if not any(p.kind == p.VAR_KEYWORD for p in params):
             break
-    return names
+    return found
 
 
 def _short_repr(value: object) -> str:

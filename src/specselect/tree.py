@@ -238,7 +238,8 @@ def build_tree_buffers(parents: Tensor, max_depth: int | None = None) -> TreeBuf
     rows, n = parents.shape
     bound = n if max_depth is None else check_int("max_depth", max_depth)
     # up[i, j, s]: the ancestor s levels above node j (s = 0: j itself; -1 above the root).
-    node = torch.arange(n, device=parents.device).expand(rows, n)  # [B, N]
+    node_ids = torch.arange(n, device=parents.device).expand(rows, n)  # [B, N]
+    node = node_ids
     steps = []
     for _ in range(bound):
         steps.append(node)
@@ -253,6 +254,9 @@ def build_tree_buffers(parents: Tensor, max_depth: int | None = None) -> TreeBuf
     levels = torch.arange(bound, device=parents.device)  # [D]
     above = (depth.unsqueeze(2) - 1 - levels).clamp(min=0)  # [B, N, D]
     paths = torch.where(levels < depth.unsqueeze(2), up.gather(2, above), -1)  # [B, N, D]
-    hits = torch.zeros(rows, n, n, dtype=torch.int64, device=parents.device)
-    hits.scatter_add_(2, up.clamp(min=0), on_path.to(torch.int64))  # [B, N, N]
-    return TreeBuffers(parents=parents, ancestors=hits > 0, depth=depth, paths=paths)
+    # Every entry marks an ancestor-or-self (one above the root marks the node itself again):
+    # all writes are True, so their order does not matter, and the table stays bool.
+    marked = torch.where(on_path, up, node_ids.unsqueeze(2))  # [B, N, D]
+    ancestors = torch.zeros(rows, n, n, dtype=torch.bool, device=parents.device)
+    ancestors.scatter_(2, marked, torch.ones_like(marked, dtype=torch.bool))  # [B, N, N]
+    return TreeBuffers(parents=parents, ancestors=ancestors, depth=depth, paths=paths)

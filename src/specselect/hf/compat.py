@@ -37,6 +37,7 @@ _REQUIRED_FORWARD_ARGS = ("attention_mask", "position_ids")
 #: ``past_key_values`` still works, with a deprecation warning), ``past_key_values`` before.
 CACHE_ARGS = ("cache", "past_key_values")
 _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_GENERATION_HOOKS = ("can_generate", "get_output_embeddings")
 _POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 
 
@@ -58,12 +59,14 @@ def check_causal_lm(name: str, model: object) -> nn.Module:
             f"{name} must be a HuggingFace causal LM (an nn.Module with a .config), "
             f"got {type(model).__name__}"
         )
-    can_generate = getattr(model, "can_generate", None)
-    if callable(can_generate) and not can_generate():
+    can_generate, head = (getattr(model, name, None) for name in _GENERATION_HOOKS)
+    # Either shows a language-model head: a model of its own that does not mix in
+    # GenerationMixin still has one, and a headless or classifying model has neither.
+    if callable(can_generate) and callable(head) and not can_generate() and head() is None:
         raise TypeError(
             f"{name} ({type(model).__name__}) has no language-model head to generate with: "
             "speculative_generate needs a causal LM (an ...ForCausalLM, as "
-            "AutoModelForCausalLM loads), as generate() does"
+            "AutoModelForCausalLM loads)"
         )
     config = model.config
     if getattr(config, "is_encoder_decoder", False):

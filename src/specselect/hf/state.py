@@ -544,7 +544,11 @@ class GenerationState:
             TARGET_COUNT: self.target.count[:size],
             DRAFT_COUNT: draft_count,
             DEEPEST: deepest,
-            NAN: torch.zeros_like(deepest) if nan_rows is None else nan_rows.to(torch.int64),
+            NAN: (  # greedy: a zero row, allocated once
+                self.io("no_nan", (size,), torch.int64)
+                if nan_rows is None
+                else nan_rows.to(torch.int64)
+            ),
         }
         report = torch.stack([rows[row] for row in range(REPORT_ROWS)])  # [REPORT_ROWS, b]
         self.io("report", (REPORT_ROWS, size), torch.int64).copy_(report)

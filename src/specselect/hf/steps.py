@@ -340,7 +340,9 @@ class Step(abc.ABC):
         it or the drafts' (``[b, ..., V]``) hold a NaN: drawing from them would give junk
         without a word, where ``generate`` raises."""
         probs = self.params.probs(logits)
-        nan_rows = probs.isnan().flatten(1).any(dim=1) | drafts.isnan().flatten(1).any(dim=1)
+        # A NaN survives a sum: one reduction, no [b, W, V] mask.
+        nan_rows = probs.sum(dim=-1).isnan().flatten(1).any(dim=1)  # [b]
+        nan_rows |= drafts.sum(dim=-1).isnan().flatten(1).any(dim=1)
         self._io("nan_rows", (self.state.size,), torch.bool).copy_(nan_rows)
         return probs
 
@@ -714,7 +716,7 @@ def _selection_scores(
     does not depend on the draft; sampling verification reports the NaN in its distribution.
     """
     scores = logprobs if expected is None else causal_logprobs(logprobs, expected, parents)
-    return scores.nan_to_num(nan=-math.inf, posinf=0.0)
+    return scores.masked_fill(scores.isnan(), -math.inf)  # (-inf stays -inf: never selected)
 
 
 def _now() -> float:

@@ -7,7 +7,6 @@ over ``k`` / ``extra`` / ``budget`` grids into :class:`SelectorConfig` s, and
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,7 @@ from specselect.registry import available_selectors, parse_spec, spec_estimators
 from specselect.replay.engine import ReplayResult, replay
 from specselect.replay.oracle import OracleSelector
 from specselect.replay.traces import Traces
-from specselect.selection import Selector
+from specselect.selection import Selector, constructor_parameters
 from specselect.selectors import SELECTORS
 from specselect.selectors.goodput import GOODPUT
 from specselect.selectors.threshold import DEFAULT_THRESHOLD
@@ -166,10 +165,9 @@ def selector_grid(
 def _spec_arguments(cls: type[Selector], spec_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The arguments with defaults of ``cls``'s constructor as a spec sets them (the defaults
     where it sets none): two specs configure the same selector iff these are equal."""
-    params = inspect.signature(cls).parameters
     return {
         name: spec_kwargs.get(name, param.default)
-        for name, param in params.items()
+        for name, param in constructor_parameters(cls).items()
         if param.default is not param.empty
     }
 
