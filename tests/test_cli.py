@@ -401,6 +401,12 @@ def _bad_inputs(dirs: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
             f"--cost-model: cost file {str(tmp / 'empty.txt')!r} is not valid JSON",
         ),
         "binary as cost model": (["--cost-model", str(tmp / "other.pt")], "is not a text file"),
+        # Tracebacks from torch (an int64 overflow) or Python (OverflowError) before:
+        "huge k": (["--k", "9" * 20], "--k values must be <= 2147483647"),
+        "huge budget": (["--budget", "9" * 21], "--budget values must be <= 2147483647"),
+        "huge slots": (["--slots", "9" * 20], "--slots must be <= 2147483647"),
+        "empty import": (["--import", ""], "'' is neither a module name nor a .py file"),
+        "empty traces path": (["--traces", ""], "argument --traces: expects a path"),
     }
 
 
@@ -441,6 +447,11 @@ BAD_CASES = [
     "missing cost model",
     "text as cost model",
     "binary as cost model",
+    "huge k",
+    "huge budget",
+    "huge slots",
+    "empty import",
+    "empty traces path",
 ]
 
 
@@ -997,6 +1008,14 @@ def test_compare_on_the_shipped_pair(tmp_path: Path, monkeypatch: pytest.MonkeyP
 # --------------------------------------------------------------------------------------------
 # Cost models: compare's default and --cost-model, and specselect profile
 # --------------------------------------------------------------------------------------------
+
+
+def test_results_record_this_runs_versions_and_the_recordings(compare_run: dict) -> None:
+    """meta.versions are the versions this run ran on (a reused trace file's are the
+    recording's: they were reported as this run's), meta.recorded_with the recording's."""
+    meta = json.loads((compare_run["out"] / "results.json").read_text(encoding="utf-8"))["meta"]
+    assert meta["versions"]["torch"] == str(torch.__version__)
+    assert meta["recorded_with"] == load_traces(compare_run["out"] / "traces.pt").meta["versions"]
 
 
 def test_compare_uses_the_shipped_cost_model_and_says_so(compare_run: dict) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -66,6 +67,20 @@ def test_cost_model_differences_name_other_models(recording: dict[str, Any]) -> 
     text = {**mine, "draft": "a 74M Llama"}
     (difference,) = cost_model_differences(traces, _cost_model_of(text))
     assert difference.startswith("draft described as 'a 74M Llama' (the traces': 'Llama")
+
+
+def test_a_model_directory_is_recorded_as_an_absolute_path(
+    recording: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model loaded from a relative directory is described by its absolute path: the same
+    directory named from another working directory was refused as another model."""
+    from transformers import AutoModelForCausalLM
+
+    recording["draft"].save_pretrained(tmp_path / "pair" / "draft")
+    monkeypatch.chdir(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained("pair/draft")
+    assert describe_model(loaded)["name_or_path"] == str((tmp_path / "pair" / "draft").resolve())
+    assert describe_model(recording["draft"])["name_or_path"] == "LlamaForCausalLM"  # (no dir)
 
 
 def _reuse(recording: dict[str, Any], **changes: Any) -> Traces:

@@ -57,10 +57,14 @@ from specselect.replay import (
     selector_grid,
     traces_summary,
 )
+from specselect.replay.traces import package_versions
 from specselect.report import PLOTS_SKIPPED, format_table, matplotlib_missing, write_report
 from specselect.selectors.goodput import GOODPUT
 
 EXIT_USAGE = 2
+#: The largest integer an option takes: sizes beyond it failed inside torch (an int64 overflow)
+#: or Python (``OverflowError``) with a traceback; none comes near it in a real run.
+LARGEST_INT = 2**31 - 1
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_DEVICE, DEFAULT_DTYPE = "cpu", "float32"  # --device and --dtype of compare and profile
 SHIPPED = "shipped tiny pair"
@@ -107,6 +111,10 @@ def int_list_option(
             if value < minimum:
                 raise argparse.ArgumentTypeError(
                     f"{option} values must be >= {minimum}, got {value}"
+                )
+            if value > LARGEST_INT:
+                raise argparse.ArgumentTypeError(
+                    f"{option} values must be <= {LARGEST_INT}, got {value}"
                 )
             if value not in values:
                 values.append(value)
@@ -164,6 +172,13 @@ def _tree_spec(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _path(text: str) -> Path:
+    """A path option's value: not empty (``Path("")`` is the working directory)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expects a path, got an empty one")
+    return Path(text)
+
+
 def integer_option(option: str, minimum: int) -> Any:
     """An argparse ``type`` for one integer >= ``minimum``."""
 
@@ -174,6 +189,8 @@ def integer_option(option: str, minimum: int) -> Any:
             raise argparse.ArgumentTypeError(f"{option} expects an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{option} must be >= {minimum}, got {value}")
+        if value > LARGEST_INT:
+            raise argparse.ArgumentTypeError(f"{option} must be <= {LARGEST_INT}, got {value}")
         return value
 
     return parse
@@ -237,20 +254,20 @@ def _add_model_arguments(models: Any) -> None:
     models.add_argument(
         "--target",
         metavar="DIR",
-        type=Path,
+        type=_path,
         help="local HF model directory of the target (its tokenizer is used) "
         "(default: the shipped tiny pair)",
     )
     models.add_argument(
         "--draft",
         metavar="DIR",
-        type=Path,
+        type=_path,
         help="local HF model directory of the draft (default: the shipped tiny pair)",
     )
     models.add_argument(
         "--prompts",
         metavar="FILE",
-        type=Path,
+        type=_path,
         help=".jsonl (objects with a 'text' field, suffix in any case) or .txt (one prompt per "
         "line; so is any other suffix but .json, which is refused) (default: the shipped prompts)",
     )
@@ -263,7 +280,7 @@ def _add_model_arguments(models: Any) -> None:
     models.add_argument(
         "--traces",
         metavar="FILE",
-        type=Path,
+        type=_path,
         help="reuse traces from this file if it exists (checked against --target/--draft, "
         "--prompts and --limit when given, and in live mode), else record them and save them "
         "there, creating its directory as --out does (default: record, and save them as "
@@ -344,7 +361,7 @@ def _add_run_arguments(run: Any) -> None:
     run.add_argument(
         "--cost-model",
         metavar="FILE",
-        type=Path,
+        type=_path,
         default=None,
         help="cost model (JSON from specselect profile) that prices replayed steps and that "
         "DSD plans with (default: the shipped pair's, measured on one CPU thread)",
@@ -354,9 +371,10 @@ def _add_run_arguments(run: Any) -> None:
         type=_tree_spec,
         default=None,
         metavar="DEPTH,BRANCH,WIDTH",
-        help="live mode only: also run every selector (the oracle aside: it is replayed) with a "
-        "draft tree of this shape per request, at the same budget, next to its chain rows "
-        "(default: chains only)",
+        help="live mode only: also run every selector that supports trees (the oracle aside: "
+        "it is replayed) with a draft tree of this shape per request, next to its chain rows; "
+        "budgeted selectors (TETRIS, fixed SD) verify as many nodes as their chains do, window "
+        "selectors (DSD, the heuristic) the nodes their window reaches (default: chains only)",
     )
     run.add_argument(
         "--device",
@@ -390,7 +408,7 @@ def _add_run_arguments(run: Any) -> None:
     run.add_argument(
         "--out",
         metavar="DIR",
-        type=Path,
+        type=_path,
         default=Path("specselect-compare"),
         help="output directory (results.json, report.md, plots, traces.pt), created and "
         "checked for writing before any work (default: %(default)s)",
@@ -423,13 +441,13 @@ def _add_profile_parser(commands: Any) -> None:
     profile.add_argument(
         "--target",
         metavar="DIR",
-        type=Path,
+        type=_path,
         help="local HF model directory of the target (default: the shipped tiny pair)",
     )
     profile.add_argument(
         "--draft",
         metavar="DIR",
-        type=Path,
+        type=_path,
         help="local HF model directory of the draft (default: the shipped tiny pair)",
     )
     profile.add_argument(
@@ -493,7 +511,7 @@ def _add_profile_parser(commands: Any) -> None:
     profile.add_argument(
         "--out",
         metavar="FILE",
-        type=Path,
+        type=_path,
         default=Path("cost.json"),
         help="the cost model's JSON file (not ending in .png: the plot goes next to it with the "
         "suffix .png) (default: %(default)s)",
@@ -958,7 +976,8 @@ def _meta(
         "cost_model": cost,
         "traces": traces_summary(traces),
         "models": {key: traces.meta.get(key) for key in ("target", "draft", "source")},
-        "versions": traces.meta.get("versions"),
+        "versions": package_versions(),  # this run's; the recording's are under traces
+        "recorded_with": traces.meta.get("versions"),
         "eos": "ignored: every request runs to max_new_tokens",
         "wall_seconds": round(seconds, 2),
     }
@@ -1113,7 +1132,7 @@ def import_plugins(argv: Sequence[str]) -> None:
     for target in targets:
         if target.endswith(".py"):
             _import_file(Path(target))
-        elif "/" in target or os.sep in target or target.startswith("."):
+        elif not target or "/" in target or os.sep in target or target.startswith("."):
             raise UsageError(
                 f"--import: {target!r} is neither a module name nor a .py file (for a "
                 "package, give its name and run from the directory that holds it)"

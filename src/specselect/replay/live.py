@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from specselect import native
 from specselect._checks import check_int
 from specselect.cost import CostModel, default_cost_model
 from specselect.metrics import StepCounts, Totals
@@ -150,7 +151,9 @@ def compare_live(
     ``target`` and ``draft`` (:func:`~specselect.replay.check_trace_models`).
 
     A short untimed warm-up run comes first: the first forward passes of a process pay for
-    one-off initialisation, which would otherwise be charged to the first configuration.
+    one-off initialisation, which would otherwise be charged to the first configuration; so
+    does the first selection with the fused CPU kernel (:mod:`specselect.native`), which builds
+    or loads it then.
 
     ``cost_model`` is given to selectors that take one (DSD) and prices the oracle's replayed
     row; None: :func:`~specselect.cost.default_cost_model`. ``refill`` runs the prompts through
@@ -165,6 +168,7 @@ def compare_live(
     prompt_ids = list(traces.prompt_ids)
     max_new_tokens = traces.max_new_tokens
     live_totals(target, draft, prompt_ids[:slots], _WARM_UP, slots, _WARM_UP_TOKENS, cost_model)
+    native.available()  # (its first use builds or loads TETRIS's kernel: not the first row's)
     runs = _live_runs(configs, tree)
     calls = 1 if refill else -(-len(prompt_ids) // slots)  # ceil
     total = calls * sum(not config.replay_only for config, _ in runs)

@@ -385,11 +385,20 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
     file was recorded from the models at hand (:func:`~specselect.replay.check_trace_models`)."""
     config = getattr(model, "config", None)
     return {
-        "name_or_path": str(getattr(config, "_name_or_path", "") or type(model).__name__),
+        "name_or_path": _resolved(
+            str(getattr(config, "_name_or_path", "") or type(model).__name__)
+        ),
         "class": type(model).__name__,
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+def _resolved(name_or_path: str) -> str:
+    """A local model directory as an absolute path (a relative one would name another
+    directory from another working directory); a hub name or a class name as it is."""
+    path = Path(name_or_path)
+    return str(path.resolve()) if path.is_dir() else name_or_path
 
 
 def package_versions() -> dict[str, str]:
