@@ -202,9 +202,10 @@ def supports_logits_to_keep(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def special_token_ids(model: nn.Module) -> dict[str, object]:
-    """bos/eos/pad ids of ``model``: its generation config first, then its config."""
-    found: dict[str, object] = {}
+def special_token_ids(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """bos/eos/pad ids of ``model`` (each a sorted tuple): its generation config first, then
+    its config."""
+    found: dict[str, tuple[int, ...]] = {}
     sources = (getattr(model, "generation_config", None), model.config)
     for key in _SPECIAL_IDS:
         for source in sources:
@@ -215,16 +216,12 @@ def special_token_ids(model: nn.Module) -> dict[str, object]:
     return found
 
 
-def _normalise_ids(value: object) -> object:
+def _normalise_ids(value: object) -> tuple[int, ...]:
+    """An id, a list of ids or a tensor of ids as a sorted tuple of ints."""
     if isinstance(value, torch.Tensor):
         value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        return tuple(sorted(int(v) for v in value))
-    return int(value)  # type: ignore[call-overload]
-
-
-def _as_tuple(ids: object) -> tuple[object, ...]:
-    return ids if isinstance(ids, tuple) else (ids,)
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(sorted(int(v) for v in items))  # type: ignore[arg-type]
 
 
 def check_pair(target: nn.Module, draft: nn.Module, tokenizer: Sized | None = None) -> int:
@@ -245,10 +242,10 @@ def check_pair(target: nn.Module, draft: nn.Module, tokenizer: Sized | None = No
     for key in _SPECIAL_IDS:
         if key in target_ids and key in draft_ids:
             mine, theirs = target_ids[key], draft_ids[key]
-            if not set(_as_tuple(mine)) & set(_as_tuple(theirs)):
+            if not set(mine) & set(theirs):
                 raise ValueError(
-                    f"target and draft do not share a tokenizer: target {key}={mine}, draft "
-                    f"{key}={theirs} (no id in common)"
+                    f"target and draft do not share a tokenizer: target {key}={list(mine)}, "
+                    f"draft {key}={list(theirs)} (no id in common)"
                 )
     widths = logits_width(target), logits_width(draft)
     if tokenizer is not None:

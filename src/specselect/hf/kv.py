@@ -402,9 +402,7 @@ class ModelCache:
         self.count[:kept] = self.count.index_select(0, rows)
         self.pos.fill_(width)
         self.mark.fill_(width)
-        self.used = width
-        if not self.static_span:
-            self.kv.span = min(aligned(width), self.capacity)
+        self._account(width)
 
 
 def host_index(values: list[int], device: torch.device) -> Tensor:  # -> [len] int64
