@@ -8,11 +8,10 @@ selector is its :meth:`~specselect.selection.Selector.spec_kwargs`.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, NamedTuple
 
 from specselect.estimators import ESTIMATORS, NO_ESTIMATOR
-from specselect.selection import Selector, constructor_keywords
+from specselect.selection import Selector, constructor_parameters
 from specselect.selectors import SELECTORS
 
 
@@ -42,14 +41,14 @@ def make_selector(name: str, **kwargs: Any) -> Selector:
             f"unknown selector {base!r}; expected one of {', '.join(available_selectors())}, "
             f"optionally with +estimator ({', '.join(spec_estimators())})"
         ) from None
-    keywords = constructor_keywords(cls)
+    params = constructor_parameters(cls)
+    keywords = list(params)
     unknown = sorted(set(kwargs) - set(keywords))
     if unknown:
         raise TypeError(
             f"selector {name!r} does not take {', '.join(unknown)}; "
             f"it takes {', '.join(keywords) or 'no arguments'}"
         )
-    params = inspect.signature(cls).parameters
     try:
         spec = cls.spec_kwargs(estimator, None)
     except ValueError as exc:  # an estimator for a selector that takes none
@@ -60,12 +59,7 @@ def make_selector(name: str, **kwargs: Any) -> Selector:
             f"selector spec {name!r} already sets {', '.join(clash)}; to choose, use the "
             f"plain name: make_selector({base!r}, {', '.join(f'{p}=...' for p in clash)}, ...)"
         )
-    required = [
-        p
-        for p, param in params.items()
-        if param.default is param.empty
-        and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
-    ]
+    required = [p for p, param in params.items() if param.default is param.empty]
     to_pass = [p for p in required if p not in spec]  # the spec's are set; passing them clashes
     missing = [p for p in to_pass if p not in kwargs]
     if missing:
