@@ -699,14 +699,9 @@ class Selector(abc.ABC):
         its class, a cost model by what it is, not its samples); never its internal state
         (``capture_token``, per-request windows): one short line for a log or a report."""
         held = vars(self)
-        params = constructor_keywords(type(self))
+        params = constructor_parameters(type(self))
         shown = ", ".join(f"{p}={_short_repr(held[p])}" for p in params if p in held)
         return f"{type(self).__name__}({shown})"
-
-
-def constructor_keywords(cls: type) -> list[str]:
-    """The keyword arguments ``cls(...)`` takes (see :func:`constructor_parameters`)."""
-    return list(constructor_parameters(cls))
 
 
 def constructor_parameters(cls: type) -> dict[str, inspect.Parameter]:
