@@ -31,6 +31,7 @@ from hf_models import (
 from specselect import make_selector
 from specselect.hf import TreeSpec, speculative_generate
 from specselect.replay import OracleSelector
+from specselect.selection import Selection
 
 VOCAB = 128
 
@@ -366,6 +367,21 @@ def test_selector_with_negative_draft_length(models) -> None:
 
     with pytest.raises(ValueError, match=r"selector.draft_length\(\) must be >= 0"):
         call(models, selector=Broken(k=1))
+
+
+class OffByOne(type(make_selector("fixed", k=1))):  # type: ignore[misc]
+    """Fixed SD of one's own whose lengths count one token more than its mask."""
+
+    def _select(self, draft_logprobs: torch.Tensor, active: torch.Tensor | None) -> Selection:
+        chosen = super()._select(draft_logprobs, active)
+        return Selection(chosen.lengths + 1, chosen.mask)
+
+
+def test_a_broken_selector_of_ones_own_is_named_in_the_loop(models) -> None:
+    """The loop trusts the tensors it makes, not a selector's answer: it verified the lengths
+    of this one and ignored its mask, without a word."""
+    with pytest.raises(RuntimeError, match="OffByOne selected a mask that is not a prefix"):
+        call(models, selector=OffByOne(k=2))
 
 
 @pytest.mark.parametrize("spec", [{"name": "tetris", "k": 2}, {"name": "fixed", "k": 3}])

@@ -522,6 +522,25 @@ def test_a_call_that_fails_to_set_up_releases_the_workspace() -> None:
     assert again.stats.captures == 0  # the kept workspace's graphs, replayed
 
 
+class _ReadsTheHost(FixedWindowSelector):
+    """Captured with the verify pass (fixed SD's capture_key), but reads a device value in
+    select (a user's bug)."""
+
+    def _select(self, draft_logprobs: torch.Tensor, active: torch.Tensor | None) -> Selection:
+        if bool(draft_logprobs.isnan().any()):  # a host read
+            raise AssertionError("no NaN here")
+        return super()._select(draft_logprobs, active)
+
+
+def test_a_host_read_in_a_captured_selector_says_what_to_do() -> None:
+    target, draft, ids, mask, eos, _ = case("llama", 0)
+    release_workspace(target)
+    says = r"host read inside a captured stage \(aten::_local_scalar_dense\).*capture_key None"
+    with emulate_on_cpu(), pytest.raises(RuntimeError, match=says):
+        run(target, draft, ids[:3], mask[:3], "fixed", eos, _ReadsTheHost(3), cuda_graphs=True)
+    release_workspace(target)
+
+
 def test_a_kept_workspace_keeps_the_captures_of_the_last_selectors() -> None:
     """A new default TETRIS per call records its own select + verify graphs (they replay on
     its state); the kept workspace holds those of the last KEPT_SELECTORS selectors only, so a

@@ -10,9 +10,11 @@ import pytest
 
 from specselect.cost import default_cost_model
 from specselect.estimators import ESTIMATORS, NO_ESTIMATOR
+from specselect.metrics import Totals
 from specselect.registry import SelectorSpec, make_selector, parse_spec, spec_estimators
-from specselect.replay import SelectorConfig, selector_grid
-from specselect.selectors import SELECTORS
+from specselect.replay import ResultRow, SelectorConfig, selector_grid
+from specselect.selection import grid_depends_on_extra
+from specselect.selectors import SELECTORS, FixedWindowSelector
 
 
 @pytest.mark.parametrize(
@@ -65,7 +67,43 @@ def test_grid_kwargs_build_the_selector(name: str) -> None:
         selector = cls(**kwargs, **cls.spec_kwargs(None, default_cost_model()))
         assert selector.draft_length(4) <= k + extra
     depends_on_extra = cls.grid_kwargs(2, 0, None) != cls.grid_kwargs(2, 1, None)
-    assert depends_on_extra == cls.grid_extra
+    assert depends_on_extra == grid_depends_on_extra(cls)
+
+
+class Windowed(FixedWindowSelector):
+    """A selector of one's own with the grid's parameters and one of its own."""
+
+    name = "windowed"
+
+    def __init__(self, k: int, extra: int = 0, p: float = 0.5, budget: int | None = None):
+        super().__init__(k)
+        self.extra, self.p, self.budget = extra, p, budget
+
+
+class Unset(FixedWindowSelector):
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__(1)
+        self.p = p
+
+
+class Required(FixedWindowSelector):
+    def __init__(self, max_k: int, p: float) -> None:
+        super().__init__(max_k)
+        self.p = p
+
+
+def test_the_default_grid_kwargs_set_parameters_by_name() -> None:
+    """A selector of one's own that takes k and extra got only k at every extra (its rows
+    labelled with an extra it never saw)."""
+    assert Windowed.grid_kwargs(3, 2, None) == {"k": 3, "extra": 2}
+    assert Windowed.grid_kwargs(3, 2, 7) == {"k": 3, "extra": 2, "budget": 7}
+    assert grid_depends_on_extra(Windowed)
+    assert FixedWindowSelector.grid_kwargs(3, 2, 7) is None  # no budget parameter
+    assert not grid_depends_on_extra(FixedWindowSelector)
+    with pytest.raises(TypeError, match="its constructor takes none of them: override"):
+        Unset.grid_kwargs(3, 2, None)
+    with pytest.raises(TypeError, match="its constructor requires p: override"):
+        Required.grid_kwargs(3, 2, None)
 
 
 TAKE_AN_ESTIMATOR = {"tetris", "threshold"}
@@ -264,3 +302,22 @@ def test_selectors_wrapping_a_constructor_take_its_keywords() -> None:
     # Specs differ by the parent's arguments too (they all counted as one configuration).
     specs = ["wrapped", "wrapped+none", "wrapped+calibrated"]
     assert [config.name for config in selector_grid(specs, [2], [1])] == specs
+
+
+def test_results_record_every_constructor_argument() -> None:
+    """A parameter outside the grid (its default ``p``) was in no results row."""
+    SELECTORS["windowed"] = Windowed
+    try:
+        (config,) = selector_grid(["windowed"], [3], [2])
+        row = ResultRow(config, Totals())
+        assert row.params == {"k": 3, "extra": 2, "p": 0.5, "budget": None}
+        (tetris,) = selector_grid(["tetris+none"], [3], [2])
+        assert ResultRow(tetris, Totals()).params == {
+            "k": 3,
+            "extra": 2,
+            "budget": None,
+            "estimator": None,
+            "guard": False,
+        }
+    finally:
+        del SELECTORS["windowed"]

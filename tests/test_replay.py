@@ -47,7 +47,13 @@ from specselect.replay import (
     traces_summary,
 )
 from specselect.replay.traces import TRACE_FORMAT, TRACE_VERSION
-from specselect.selection import Outcomes, Selection, available_lengths, chain_scores
+from specselect.selection import (
+    Outcomes,
+    Selection,
+    Selector,
+    available_lengths,
+    chain_scores,
+)
 from specselect.selectors import SELECTORS
 
 # --------------------------------------------------------------------------------------------
@@ -536,9 +542,26 @@ class GreedyInactive(FixedWindowSelector):
         return Selection.from_lengths(lengths, draft_logprobs.shape[1])
 
 
-def test_replay_rejects_selector_breaking_the_contract(random_run_traces: Traces) -> None:
-    with pytest.raises(RuntimeError, match="inactive"):
-        replay(random_run_traces, GreedyInactive(1), slots=20)
+class PastTheEnd(FixedWindowSelector):
+    """A broken selector: verifies its whole window, past a request's last token (-inf)."""
+
+    def _select(self, draft_logprobs: Tensor, active: Tensor | None) -> Selection:
+        return Selection.from_mask(torch.ones_like(draft_logprobs, dtype=torch.bool), active)
+
+
+@pytest.mark.parametrize(
+    ("selector", "match"),
+    [
+        (GreedyInactive(1), "GreedyInactive selected tokens in an inactive row"),
+        # Replay counted the tokens past the end as verified (the live loop drops them).
+        (PastTheEnd(4), "PastTheEnd selected a token at or after a -inf"),
+    ],
+)
+def test_replay_rejects_selector_breaking_the_contract(
+    random_run_traces: Traces, selector: Selector, match: str
+) -> None:
+    with pytest.raises(RuntimeError, match=match):
+        replay(random_run_traces, selector, slots=20)
 
 
 @pytest.mark.parametrize(

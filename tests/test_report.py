@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from specselect.cli import default_selectors
+from specselect.estimators import RequestHistory
 from specselect.metrics import Totals
 from specselect.replay import MEASURED, ResultRow, SelectorConfig
 from specselect.report import (
@@ -84,11 +85,19 @@ def table_lines(rows: list[ResultRow], name: str) -> list[str]:
 
 
 def test_row_holds_its_config() -> None:
-    config = SelectorConfig("tetris", 3, 2, 24, {"k": 3, "extra": 2, "budget": 24, "obj": object()})
+    kwargs = {"k": 3, "extra": 2, "budget": 24, "estimator": RequestHistory()}
+    config = SelectorConfig("tetris", 3, 2, 24, kwargs)
     result = ResultRow(config, FIXED)
     assert (result.selector, result.k, result.extra, result.budget) == ("tetris", 3, 2, 24)
     assert result.label == config.label == "tetris k=3 extra=2 C=24"
-    assert result.params == {"k": 3, "extra": 2, "budget": 24}  # JSON-compatible ones
+    # Every constructor argument, defaults included; an object as its type's name (JSON).
+    assert result.params == {
+        "k": 3,
+        "extra": 2,
+        "budget": 24,
+        "estimator": "RequestHistory",
+        "guard": True,
+    }
 
 
 def test_repeats_over_extra_are_shown_once() -> None:

@@ -445,6 +445,9 @@ class Broken(Selector):
     def draft_length(self, num_active: int) -> int:
         return 3
 
+    def _max_selected(self, width: int, num_active: int) -> int:
+        return 1 if self.how == "over its bound" else width
+
     def _select(self, draft_logprobs: torch.Tensor, active: torch.Tensor | None) -> Selection:
         rows, width = draft_logprobs.shape
         lengths = torch.full((rows,), width, dtype=torch.int64)
@@ -460,10 +463,14 @@ class Broken(Selector):
 
     def _select_tree(self, draft_logprobs, active, parents, depth) -> Selection:
         mask = torch.zeros_like(draft_logprobs, dtype=torch.bool)
-        mask[:, -1] = True  # a deepest node without its ancestors
+        if self.how == "over its bound":
+            mask[1:, :2] = True  # a path of two nodes (not in row 0, past its -inf): one declared
+        else:
+            mask[:, -1] = True  # a deepest node without its ancestors
         return Selection.from_mask(mask)
 
 
+@pytest.mark.parametrize("inside_a_loop", [False, True], ids=["called", "in-a-loop"])
 @pytest.mark.parametrize(
     ("how", "tree", "says"),
     [
@@ -472,15 +479,21 @@ class Broken(Selector):
         ("int32", False, r"Broken selected lengths torch.int32 \(5,\)"),
         ("everything", False, "Broken selected a token at or after a -inf"),
         ("orphan", True, "Broken selected a mask that is not closed under ancestors"),
+        ("over its bound", True, r"Broken selected 2 tokens in a row, more than its max_sel"),
     ],
 )
-def test_a_selector_s_broken_answer_is_named(how: str, tree: bool, says: str) -> None:
-    """select checks what _select returned (a loop clamped it silently, or verified a node
-    without its parent); the message names the selector."""
+def test_a_selector_s_broken_answer_is_named(
+    how: str, tree: bool, says: str, inside_a_loop: bool
+) -> None:
+    """select checks what _select returned (a loop clamped it silently, cut a tree's
+    selection to the verify pass it sized by max_selected, or verified a node without its
+    parent); the message names the selector. Inside a loop's trusted block too: the loops
+    trust the tensors they made, not a user's selector's answer."""
     logprobs = torch.full((BATCH, 3), -0.5)
     logprobs[0, 1] = -math.inf
     parents = torch.tensor([[-1, 0, 1]] * BATCH) if tree else None
-    with pytest.raises(RuntimeError, match=says):
+    loop = trusted_values() if inside_a_loop else contextlib.nullcontext()
+    with loop, pytest.raises(RuntimeError, match=says):
         Broken(how).select(logprobs, parents=parents)
 
 
@@ -528,13 +541,17 @@ class Reshaping(AcceptanceEstimator):
         ("finite", "must stay -inf where"),
     ],
 )
-def test_an_estimate_that_breaks_its_contract_is_named_at_select(how: str, says: str) -> None:
+@pytest.mark.parametrize("inside_a_loop", [False, True], ids=["called", "in-a-loop"])
+def test_an_estimate_that_breaks_its_contract_is_named_at_select(
+    how: str, says: str, inside_a_loop: bool
+) -> None:
     """Positive estimates failed only in update, under the guard's argument name; a [B, 1]
     estimate gave a [B, 1] selection (update then blamed the batch); a finite one for a -inf
-    token let TETRIS select past it."""
+    token let TETRIS select past it. Inside a loop's trusted block too."""
     logprobs = torch.tensor([[-0.1, -math.inf, -0.2]] * BATCH)
     selector = SELECTORS["tetris"](2, 1, estimator=Reshaping(how), guard=False)
-    with pytest.raises(ValueError, match=f"Reshaping.estimate's output {says}"):
+    loop = trusted_values() if inside_a_loop else contextlib.nullcontext()
+    with loop, pytest.raises(ValueError, match=f"Reshaping.estimate's output {says}"):
         selector.select(logprobs)
 
 

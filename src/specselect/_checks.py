@@ -46,11 +46,8 @@ def trusted_values() -> Iterator[None]:
     host outcomes a loop read back itself (:meth:`~specselect.selection.Selector.observe`) pass
     unchecked.
     """
-    token = _TRUSTED.set(True)
-    try:
+    with _trust(True):
         yield
-    finally:
-        _TRUSTED.reset(token)
 
 
 def checked_already() -> contextlib.AbstractContextManager[None]:
@@ -59,6 +56,25 @@ def checked_already() -> contextlib.AbstractContextManager[None]:
     do not read them again. Nothing under ``torch.compile``, which cannot trace the flag and
     reads no values anyway."""
     return contextlib.nullcontext() if torch.compiler.is_compiling() else trusted_values()
+
+
+def distrusted() -> contextlib.AbstractContextManager[None]:
+    """Value checks back on inside a loop's :func:`trusted_values` block, for what code defined
+    outside specselect returned (a selector's answer, an estimator's scores): a loop trusts the
+    tensors it made itself, not those. Nothing under ``torch.compile`` (see
+    :func:`checked_already`)."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _trust(False)
+
+
+@contextlib.contextmanager
+def _trust(trusted: bool) -> Iterator[None]:
+    token = _TRUSTED.set(trusted)
+    try:
+        yield
+    finally:
+        _TRUSTED.reset(token)
 
 
 _P = ParamSpec("_P")

@@ -885,7 +885,7 @@ def _compare(args: argparse.Namespace) -> int:
         raise UsageError("--refill needs --mode live: replay always refills its slots")
     try:
         configs = selector_grid(_selector_names(args), args.k, args.extra, args.budget)
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:  # TypeError: a grid_kwargs that cannot map the grid
         raise UsageError(str(exc)) from None
     max_k = max(args.k) + max(args.extra)
     check_writable_dir("--out", args.out)
@@ -929,14 +929,15 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _check_buildable(configs: Sequence[SelectorConfig], cost_model: CostModel) -> None:
     """Build every configuration once before any model runs: a selector of one's own whose
-    constructor does not take what its grid gives (a ``k``) fails here, not after recording."""
+    constructor refuses what its grid gives fails here, not after recording."""
     for config in configs:
         try:
             config.build(cost_model)
         except (TypeError, ValueError) as exc:
             raise UsageError(
                 f"selector {config.label!r} cannot be built at this grid point ({exc}); a "
-                "selector whose constructor takes no k overrides the classmethod grid_kwargs"
+                "selector whose constructor does not take the grid's values by name (k, k0, "
+                "extra, max_k, budget) overrides the classmethod grid_kwargs"
             ) from None
 
 

@@ -15,7 +15,7 @@ import inspect
 import itertools
 import warnings
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,6 +33,7 @@ from specselect._checks import (
     check_row_ints,
     check_tensor,
     checked_already,
+    distrusted,
     outside_autograd,
     values_trusted,
 )
@@ -222,9 +223,12 @@ class Selector(abc.ABC):
 
     name: ClassVar[str] = "selector"
     supports_trees: ClassVar[bool] = False
-    grid_extra: ClassVar[bool] = False
+    grid_extra: ClassVar[bool | None] = None
     """Whether :meth:`grid_kwargs` depends on ``extra``: a grid then holds one configuration per
-    ``extra`` and labels it with it; otherwise one configuration stands for every ``extra``."""
+    ``extra`` and labels it with it; otherwise one configuration stands for every ``extra``.
+    ``None``: whether the constructor takes ``extra`` or ``max_k`` (see
+    :func:`grid_depends_on_extra`); a :meth:`grid_kwargs` of one's own that reads ``extra``
+    otherwise sets it."""
     replay_only: ClassVar[bool] = False
     """Whether it selects with what only replay knows (the oracle's true run lengths): a
     decoding loop refuses it up front."""
@@ -666,11 +670,37 @@ class Selector(abc.ABC):
 
         ``k`` is the mean window the point compares at (standard SD verifies ``k`` tokens per
         request), ``extra`` the tokens a selector may draft beyond it, and ``budget`` a fixed
-        total per step (``None``: the selector's default). The default, ``{"k": k}`` and no
-        configuration at a fixed budget, fits a selector whose only parameter is its window;
-        selectors with other parameters override it.
+        total per step (``None``: the selector's default). The default sets the constructor's
+        parameters by name (:data:`GRID_PARAMETERS`: ``k`` and ``k0`` get ``k``, ``extra``
+        gets ``extra``, ``max_k`` gets ``k + extra``, ``budget`` the budget) and gives no
+        configuration at a fixed budget to a constructor without ``budget``; a selector with
+        other required parameters overrides it.
+
+        Raises:
+            TypeError: (the default) the constructor takes none of those parameters, or
+                requires one the grid cannot set.
         """
-        return {"k": k} if budget is None else None
+        parameters = constructor_parameters(cls)
+        if budget is not None and "budget" not in parameters:
+            return None
+        kwargs = {
+            name: rule(k, extra) for name, rule in GRID_PARAMETERS.items() if name in parameters
+        }
+        if budget is not None:
+            kwargs["budget"] = budget
+        unset = [
+            name
+            for name, parameter in parameters.items()
+            if parameter.default is parameter.empty and name not in kwargs
+        ]
+        if unset or not kwargs:
+            needs = f"requires {', '.join(unset)}" if unset else "takes none of them"
+            raise TypeError(
+                f"{cls.__name__}: a comparison grid sets the constructor parameters "
+                f"{', '.join([*GRID_PARAMETERS, 'budget'])} by name, and its constructor "
+                f"{needs}: override the classmethod grid_kwargs"
+            )
+        return kwargs
 
     @classmethod
     def goodput_grid_kwargs(cls, k: int, extra: int) -> dict[str, Any] | None:
@@ -702,6 +732,24 @@ class Selector(abc.ABC):
         params = constructor_parameters(type(self))
         shown = ", ".join(f"{p}={_short_repr(held[p])}" for p in params if p in held)
         return f"{type(self).__name__}({shown})"
+
+
+GRID_PARAMETERS: dict[str, Callable[[int, int], int]] = {
+    "k": lambda k, extra: k,
+    "k0": lambda k, extra: k,  # a starting window
+    "extra": lambda k, extra: extra,
+    "max_k": lambda k, extra: k + extra,  # dynamic windows may draft as far as TETRIS does
+}
+"""How the default :meth:`Selector.grid_kwargs` sets a constructor parameter of each name from
+a comparison grid's ``(k, extra)``."""
+
+
+def grid_depends_on_extra(cls: type[Selector]) -> bool:
+    """Whether ``cls``'s grid configurations depend on ``extra`` (:attr:`Selector.grid_extra`,
+    else whether its constructor takes ``extra`` or ``max_k``)."""
+    if cls.grid_extra is not None:
+        return cls.grid_extra
+    return not {"extra", "max_k"}.isdisjoint(constructor_parameters(cls))
 
 
 def constructor_parameters(cls: type) -> dict[str, inspect.Parameter]:
@@ -751,8 +799,9 @@ def _check_estimate(owner: AcceptanceEstimator, scores: Tensor, draft_logprobs: 
         )
     if not _from_elsewhere(owner):
         return
-    check_logprobs(name, scores)
-    readable = _values_checkable(scores) and scores.numel()
+    with distrusted():  # inside a loop's trusted block too: the loop did not make these
+        check_logprobs(name, scores)
+        readable = _values_checkable(scores) and scores.numel()
     if readable and bool((draft_logprobs.isneginf() & ~scores.isneginf()).any()):
         raise ValueError(f"{name} must stay -inf where draft_logprobs is -inf")
 
@@ -768,8 +817,9 @@ def _check_answer(
     ``[B]`` int64 lengths and a ``[B, K]`` bool mask on the input's device; and, for a selector
     defined outside specselect where the values are readable, each row's mask counts its
     length, is a prefix (closed under ancestors for a tree), takes nothing at or below a
-    ``-inf`` and nothing in an inactive row. A loop would otherwise clamp, or verify, a broken
-    answer without a word."""
+    ``-inf``, nothing in an inactive row, and no row more than :meth:`Selector.max_selected`
+    (which sizes a tree step's verification pass). Inside a decoding loop's trusted block too:
+    a loop would otherwise clamp, cut, or verify a broken answer without a word."""
     rows, width = draft_logprobs.shape
     lengths, mask, device = selection.lengths, selection.mask, draft_logprobs.device
     if not (
@@ -787,8 +837,9 @@ def _check_answer(
         )
     if not _from_elsewhere(owner) or not mask.numel():
         return
-    if not (_values_checkable(lengths) and _values_checkable(mask)):
-        return
+    with distrusted():
+        if not (_values_checkable(lengths) and _values_checkable(mask)):
+            return
     name = type(owner).__name__
     counted = mask.sum(dim=1) == lengths  # [B]
     if parents is None:
@@ -801,10 +852,17 @@ def _check_answer(
     shape = "a prefix of each row" if parents is None else "closed under ancestors"
     if not bool(closed.all()):
         raise RuntimeError(f"{name} selected a mask that is not {shape} matching its lengths")
-    if bool((mask & ~allowed).any()):
-        raise RuntimeError(f"{name} selected a token at or after a -inf draft log-probability")
     if active is not None and bool((mask & ~active.unsqueeze(1)).any()):
         raise RuntimeError(f"{name} selected tokens in an inactive row")
+    if bool((mask & ~allowed).any()):
+        raise RuntimeError(f"{name} selected a token at or after a -inf draft log-probability")
+    num_active = rows if active is None else int(active.sum())
+    bound = owner.max_selected(width, num_active)
+    if int(lengths.max()) > bound:
+        raise RuntimeError(
+            f"{name} selected {int(lengths.max())} tokens in a row, more than its "
+            f"max_selected({width}, {num_active}) = {bound}"
+        )
 
 
 def _check_accepted_nodes(
@@ -998,13 +1056,6 @@ def estimator_kwargs(estimator: str | None) -> dict[str, Any]:
     if estimator is None:
         return {}
     return {"estimator": None if estimator == NO_ESTIMATOR else estimator}
-
-
-def window_grid_kwargs(k: int, extra: int, budget: int | None) -> dict[str, Any]:
-    """``{"k": k, "extra": extra}``, with ``"budget"`` when one is given: the grid mapping of
-    selectors that draft ``k + extra`` tokens and verify ``k`` per request or a fixed budget
-    (TETRIS, the oracle)."""
-    return {"k": k, "extra": extra, **({} if budget is None else {"budget": budget})}
 
 
 def mask_inactive(lengths: Tensor, active: Tensor | None) -> Tensor:

@@ -28,9 +28,10 @@ slots). The draft and verify passes of a step are *stages* that read every posit
 tensors, so with ``cuda_graphs`` each stage is captured once per (bucket, widths) in a CUDA graph
 and replayed (:mod:`specselect.hf.graphs`). Eager and graph mode run the same code.
 
-Host syncs per step: exactly one, the read-back of a ``[7, slots]`` int64 report into pinned
+Host syncs per step: exactly one, the read-back of a ``[8, slots]`` int64 report into pinned
 memory (``GenerationState.read_back``): which rows finished, the per-row statistics (also what
-``selector.observe`` gets), and both caches' valid counts (for compaction). Everything else
+``selector.observe`` gets), both caches' valid counts (for compaction), and which rows sampled
+from a distribution holding NaN (an error). Everything else
 stays on the device, except on a CPU, where a read waits for nothing: there an eager drafting
 step also reads its widest selection, so that its verify pass sends no more tokens (nodes) than
 that (``CPU_EAGER_READS_PER_STEP``). transformers adds no reads of its own, because every pass
@@ -342,8 +343,8 @@ def check_tree_mode(tree: object, selector: Selector | None) -> None:
     if not selector.supports_trees:
         raise TypeError(
             f"tree mode needs a selector that selects draft-tree nodes; "
-            f"{type(selector).__name__} does not (supports_trees is False); every registered "
-            "selector does (specselect.available_selectors())"
+            f"{type(selector).__name__} does not (supports_trees is False); every selector "
+            "specselect ships does"
         )
 
 

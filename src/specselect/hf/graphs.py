@@ -387,7 +387,11 @@ class HostReads(TorchDispatchMode):
     def _read(self, what: str) -> None:
         if self.forbid:
             raise RuntimeError(
-                f"host read inside a captured stage ({what}): a CUDA graph cannot contain it"
+                f"host read inside a captured stage ({what}): a CUDA graph cannot contain it. "
+                "A stage holds the models' passes and, for a selector whose capture_key is not "
+                "None, its select and update (and its estimator's): a selector that must read "
+                "device values returns capture_key None and then runs eagerly between the "
+                "captured passes (the traceback shows the read)"
             )
         self.reads.append(what)
 

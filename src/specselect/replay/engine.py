@@ -148,21 +148,6 @@ def _check_cost_model(cost_model: object) -> CostModel:
     return cost_model  # type: ignore[return-value]
 
 
-def _check_selection(selection: Selection, active: Tensor, window: int, selector: Selector) -> None:
-    """Replay trusts selectors only after checking the contract it relies on (cheap, offline).
-
-    The shapes ``select`` itself checks for every selector; their values it checks only for
-    selectors defined outside specselect, and replay runs trusted, so here every selector's
-    are (one read per step)."""
-    lengths = selection.lengths  # [S], as select checked
-    bad = ((lengths < 0) | (lengths > window) | (~active & (lengths != 0))).any()
-    if bool(bad):
-        raise RuntimeError(
-            f"{selector!r} returned lengths outside 0..{window} or gave an "
-            "inactive slot a non-zero length"
-        )
-
-
 def _draft_window(selector: Selector, num_active: int, max_k: int, most_remaining: int) -> int:
     """The step's draft length, checked against the traces, and cut as the live loop cuts it
     (:func:`~specselect.selection.draftable_depth`)."""
@@ -241,7 +226,6 @@ def _replay_step(
         features = traces.lookup_features[requests.clamp(min=0), positions, :window]
     # Request ids follow requests: a refilled slot gets a new id and its state is reset.
     selection = selector.select(shown, active, request_ids=requests, features=features)
-    _check_selection(selection, active, window, selector)
     accepted = torch.minimum(selection.lengths, runs)  # [S]
     selector.update(selection, accepted)
     # What a live loop reads back after the step, as it passes it on.

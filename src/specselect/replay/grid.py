@@ -18,7 +18,7 @@ from specselect.registry import available_selectors, parse_spec, spec_estimators
 from specselect.replay.engine import ReplayResult, replay
 from specselect.replay.oracle import OracleSelector
 from specselect.replay.traces import Traces
-from specselect.selection import Selector, constructor_parameters
+from specselect.selection import Selector, constructor_parameters, grid_depends_on_extra
 from specselect.selectors import SELECTORS
 from specselect.selectors.goodput import GOODPUT
 from specselect.selectors.threshold import DEFAULT_THRESHOLD
@@ -76,6 +76,20 @@ class SelectorConfig:
         cls = _selector_class(base)
         return cls(**self.kwargs, **cls.spec_kwargs(estimator, cost_model))
 
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """Every argument its constructor gets, defaults included, in its order, but the
+        ``cost_model`` a comparison adds at build time (its report names that): what results
+        record, so that a parameter outside the grid (a selector's own ``p``) is not lost."""
+        base, estimator = parse_spec(self.name)
+        cls = _selector_class(base)
+        given = {**_spec_arguments(cls, cls.spec_kwargs(estimator, None)), **self.kwargs}
+        return {
+            name: given[name]
+            for name in constructor_parameters(cls)
+            if name in given and name != "cost_model"
+        }
+
 
 def _selector_class(name: str) -> type[Selector]:
     """The class a comparison knows by ``name``: a registered selector or the oracle."""
@@ -100,10 +114,11 @@ def selector_grid(
 
     Each selector maps a grid point onto its own parameters
     (:meth:`~specselect.selection.Selector.grid_kwargs`). Selectors whose configuration does not
-    depend on ``extra`` (fixed SD; ``grid_extra`` false) get one configuration per ``k``; only
-    selectors that take a fixed budget are repeated over ``budgets`` (in addition to their
-    default budget). A budget may also be :data:`GOODPUT`: the selectors that have a goodput
-    budget (:meth:`~specselect.selection.Selector.goodput_grid_kwargs`: TETRIS) then add a
+    depend on ``extra`` (fixed SD; :func:`~specselect.selection.grid_depends_on_extra`) get one
+    configuration per ``k``; only selectors that take a fixed budget are repeated over
+    ``budgets`` (in addition to their default budget). A budget may also be :data:`GOODPUT`:
+    the selectors that have a goodput budget
+    (:meth:`~specselect.selection.Selector.goodput_grid_kwargs`: TETRIS) then add a
     configuration with it at every ``k`` and ``extra``, planned with the comparison's cost
     model. ``"oracle"`` is accepted besides the registry names, and a name may carry
     an acceptance estimator for selectors that take one: ``"tetris+calibrated"``,
@@ -150,7 +165,7 @@ def selector_grid(
                         if isinstance(budget, str)  # GOODPUT, checked above
                         else cls.grid_kwargs(k, extra, budget)
                     )
-                    key = (name, k, extra if cls.grid_extra else None, budget)
+                    key = (name, k, extra if grid_depends_on_extra(cls) else None, budget)
                     if kwargs is not None and key not in seen:
                         seen.add(key)
                         configs.append(SelectorConfig(name, k, key[2], budget, kwargs))

@@ -7,8 +7,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -19,7 +17,6 @@ from specselect.selection import (
     available_lengths,
     mask_inactive,
     prefix_mask,
-    window_grid_kwargs,
 )
 
 __all__ = ["OracleSelector"]
@@ -50,7 +47,6 @@ class OracleSelector(Selector):
     """
 
     name = "oracle"
-    grid_extra = True
     replay_only = True
 
     def __init__(self, k: int, extra: int = 2, budget: int | None = None) -> None:
@@ -66,10 +62,6 @@ class OracleSelector(Selector):
         check_int("num_active", num_active)
         budget = self.k * num_active if self.budget is None else self.budget
         return min(self.k + self.extra, budget)
-
-    @classmethod
-    def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any]:
-        return window_grid_kwargs(k, extra, budget)
 
     def set_runs(self, runs: Tensor) -> None:
         """Reveal this step's true run lengths, ``runs`` ``[B]`` int64 (used by the next select)."""

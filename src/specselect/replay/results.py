@@ -80,11 +80,14 @@ class ResultRow:
 
     @property
     def params(self) -> dict[str, Any]:
-        """The JSON-compatible constructor arguments of the configuration."""
+        """The JSON-compatible constructor arguments of the configuration, defaults included
+        (:attr:`~specselect.replay.SelectorConfig.arguments`); others (a cost model, an
+        estimator object) as their type's name."""
         return {
             key: value
-            for key, value in self.config.kwargs.items()
-            if isinstance(value, int | float | str | None)
+            if isinstance(value, bool | int | float | str | None)
+            else type(value).__name__
+            for key, value in self.config.arguments.items()
         }
 
     @property

@@ -131,7 +131,6 @@ class DSDSelector(Selector):
 
     name = "dsd"
     supports_trees = True
-    grid_extra = True
 
     def __init__(
         self,
@@ -231,11 +230,6 @@ class DSDSelector(Selector):
     def _observe(self, outcomes: Outcomes) -> None:
         self._alpha = ema_step(self._alpha, sum(outcomes.deepest), sum(outcomes.accepted))
         self._watch.observed()
-
-    @classmethod
-    def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any] | None:
-        """Windows up to ``k + extra``: DSD may draft as far as TETRIS does."""
-        return {"max_k": k + extra} if budget is None else None
 
     @classmethod
     def spec_kwargs(cls, estimator: str | None, cost_model: CostModel | None) -> dict[str, Any]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -123,7 +122,6 @@ class HeuristicSelector(Selector):
 
     name = "heuristic"
     supports_trees = True
-    grid_extra = True
 
     def __init__(self, k0: int = 4, max_k: int | None = None) -> None:
         super().__init__()
@@ -234,11 +232,6 @@ class HeuristicSelector(Selector):
         if active is None:
             return list(range(batch))
         return [row for row, flag in enumerate(active) if flag]
-
-    @classmethod
-    def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any] | None:
-        """Windows start at ``k`` and grow up to ``k + extra``, as far as TETRIS drafts."""
-        return {"k0": k, "max_k": k + extra} if budget is None else None
 
     def _move_state(self, device: torch.device) -> None:
         super()._move_state(device)

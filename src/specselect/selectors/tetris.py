@@ -27,7 +27,6 @@ from specselect.selection import (
     chain_scores,
     estimator_kwargs,
     tree_scores,
-    window_grid_kwargs,
 )
 from specselect.selectors.fixed import FixedWindowSelector
 from specselect.selectors.goodput import (
@@ -87,7 +86,6 @@ class TetrisSelector(Selector):
 
     name = "tetris"
     supports_trees = True
-    grid_extra = True
 
     def __init__(
         self,
@@ -268,10 +266,6 @@ class TetrisSelector(Selector):
         if self._planner is not None:
             self._planner.observe(outcomes.verified, outcomes.accepted, outcomes.deepest)
             self._watch.observed()
-
-    @classmethod
-    def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any]:
-        return window_grid_kwargs(k, extra, budget)
 
     @classmethod
     def goodput_grid_kwargs(cls, k: int, extra: int) -> dict[str, Any]:

@@ -81,7 +81,6 @@ class ThresholdSelector(Selector):
 
     name = "threshold"
     supports_trees = True
-    grid_extra = True
 
     def __init__(
         self,
