@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+from typing import ClassVar
 
 import pytest
 import torch
@@ -46,6 +47,7 @@ from specselect.hf import (
     TreeSpec,
     speculative_generate,
 )
+from specselect.hf import generate as hf_generate
 from specselect.hf.compat import ModelHandle
 from specselect.selectors import SELECTORS
 from specselect.selectors.fixed import FixedWindowSelector
@@ -554,3 +556,58 @@ def test_drafter_proposes_its_own_greedy_continuation(arch: str) -> None:
                 keep = torch.tensor([0, 2, 3]) if step == 4 else torch.arange(3)
                 drafter.keep_rows(keep, int(drafter.cache.count[keep].max()))
                 rows = [0, 2, 3]
+
+
+class _Bar:
+    """A stand-in for tqdm that records what the loop tells it."""
+
+    made: ClassVar[list[_Bar]] = []
+
+    def __init__(self, total: int, disable: bool, unit: str, desc: str) -> None:
+        self.total, self.n, self.desc, self.postfix = total, 0, desc, None
+        _Bar.made.append(self)
+
+    def __enter__(self) -> _Bar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        self.n += n
+
+    def refresh(self) -> None:
+        pass
+
+    def set_postfix(self, **values: str) -> None:
+        self.postfix = values
+
+
+@pytest.mark.parametrize("selector", ["fixed", None])
+def test_the_progress_bar_counts_the_tokens_generated(selector: str | None) -> None:
+    """Rows that stop at EOS take their unused budget off the bar's total: the bar used to
+    count it as generated, and its rate with it. Plain decoding is labelled so, without the
+    speculative statistics."""
+    target, draft, ids, mask, eos, reference = case("llama", 0)
+    new = reference[:, ids.shape[1] :]  # [B, MAX_NEW]
+    stops = (new == eos).int().cumsum(dim=1) - (new == eos).int()  # EOS seen before
+    generated = int((stops == 0).sum())
+    assert generated < new.numel()  # some rows stop early
+    _Bar.made.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hf_generate, "tqdm", _Bar)
+        out = speculative_generate(
+            target,
+            draft if selector else None,
+            ids,
+            mask,
+            selector=build_selector(selector) if selector else None,
+            max_new_tokens=MAX_NEW,
+            eos_token_id=eos,
+            progress=True,
+        )
+    assert torch.equal(out.sequences, reference)
+    (bar,) = _Bar.made
+    assert bar.n == bar.total == generated
+    assert bar.desc == ("speculative" if selector else "plain decoding")
+    assert (bar.postfix is None) == (selector is None)

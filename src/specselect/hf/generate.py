@@ -56,7 +56,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Hashable, Sized
+from collections.abc import Hashable, Iterator, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +78,13 @@ from specselect.hf.graphs import (
 from specselect.hf.kv import aligned
 from specselect.hf.memory import CacheNeed, check_memory
 from specselect.hf.options import UNSET, GenerationOptions, resolve_options
-from specselect.hf.state import CacheFull, GenerationState, GenerationStats, Layout, PhaseClock
+from specselect.hf.state import (
+    Advance,
+    GenerationState,
+    GenerationStats,
+    Layout,
+    PhaseClock,
+)
 from specselect.hf.steps import PHASES, ChainStep, Step, TreeStep
 from specselect.hf.tree_draft import TreeDrafter
 from specselect.metrics import Totals
@@ -110,7 +116,7 @@ class SpeculativeOutput:
 def speculative_generate(
     target: torch.nn.Module,
     draft: torch.nn.Module | None,
-    input_ids: Tensor,  # [B, P] int64
+    input_ids: Tensor,  # [B, P] integer token ids
     attention_mask: Tensor | None = None,  # [B, P] 0/1
     *,
     selector: Selector | None,
@@ -148,8 +154,9 @@ def speculative_generate(
         selector: any :class:`~specselect.selection.Selector` (it is ``reset()`` first) but a
             replay-only one (the oracle), or ``None`` for plain autoregressive decoding with
             the same caches and graphs.
-        max_new_tokens: new tokens per row, at least 1 (default: ``generation_config``'s,
-            else 20).
+        max_new_tokens: new tokens per row, at least 1. Default, as in ``generate``: the
+            merged config's ``max_new_tokens``, else its ``max_length`` minus the padded prompt
+            length, else 20, the default capped at the target's ``max_position_embeddings``.
         do_sample: sample instead of greedy decoding.
         temperature: sampling temperature, applied identically to both models (as are the
             next two).
@@ -169,7 +176,8 @@ def speculative_generate(
             ``len()`` is the shared vocabulary both must cover, and prompt ids must be below
             it.
         cache_slack: cache columns per row beyond ``prompt + max_new_tokens``; the caches are
-            compacted when a step would not fit, so more slack means fewer compactions.
+            compacted when a step would not fit, so more slack means fewer compactions. A step
+            that would not fit even then drafts less (``stats.depth_cuts``, and a warning).
         tree: draft a tree per row instead of a chain (:class:`~specselect.TreeSpec`), at
             most ``selector.draft_length()`` deep; the selector must support trees
             (``supports_trees``), and its budget counts tree nodes (the root excluded).
@@ -188,6 +196,17 @@ def speculative_generate(
 
     Returns:
         :class:`SpeculativeOutput` with ``sequences`` and :class:`GenerationStats`.
+
+    Raises:
+        TypeError: an argument of the wrong type; a model the loop cannot drive (no causal-LM
+            head, no KV cache); a replay-only selector; a tree for a selector without
+            ``supports_trees``.
+        ValueError: a bad value (shapes, ids outside the vocabulary, right padding, lengths
+            beyond the caches or the models' positions, caches beyond free memory), an option
+            ``generate`` has and this loop does not (other decoding modes, logits processors,
+            scores and other extra outputs), ``cuda_graphs=True`` where graphs are impossible, or
+            a selector another call is using. All before any generation.
+        RuntimeError: mid-run, a sampling distribution holding NaN (as ``generate``).
     """
     t_handle, d_handle, vocab = _checked_models(target, draft, selector, tokenizer)
     cache_slack = check_int("cache_slack", cache_slack)
@@ -219,6 +238,66 @@ def speculative_generate(
     devices = [t_handle.device] + ([d_handle.device] if d_handle is not None else [])
     generators = split_generator(generator, *devices)
     mode = graph_mode(cuda_graphs, t_handle, d_handle, generators.values())
+    with _claimed(selector):
+        return _run(
+            t_handle,
+            d_handle,
+            input_ids,
+            attention_mask,
+            selector,
+            options,
+            generators,
+            cache_slack,
+            tree,
+            mode,
+            cuda_graphs is None,
+            limit,
+            progress,
+        )
+
+
+# The selectors a call is using, by id (alive while in use): a selector holds one generation's
+# state, so two concurrent calls sharing one would reset and feed it under each other.
+_SELECTORS_IN_USE: set[int] = set()
+_SELECTORS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _claimed(selector: Selector | None) -> Iterator[None]:
+    """Hold ``selector`` for one call, or raise if another call (another thread) holds it."""
+    if selector is None:
+        yield
+        return
+    with _SELECTORS_LOCK:
+        if id(selector) in _SELECTORS_IN_USE:
+            raise ValueError(
+                f"selector {selector!r} is in use by another speculative_generate call: a "
+                "selector holds one generation's state, so give each concurrent call its own"
+            )
+        _SELECTORS_IN_USE.add(id(selector))
+    try:
+        yield
+    finally:
+        with _SELECTORS_LOCK:
+            _SELECTORS_IN_USE.discard(id(selector))
+
+
+def _run(
+    t_handle: ModelHandle,
+    d_handle: ModelHandle | None,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    selector: Selector | None,
+    options: GenerationOptions,
+    generators: dict[torch.device, torch.Generator | None],
+    cache_slack: int,
+    tree: TreeSpec | None,
+    mode: Mode,
+    fall_back: bool,
+    limit: int | None,
+    progress: bool,
+) -> SpeculativeOutput:
+    """The checked call: the selector reset, the loop run in the modes it needs."""
     if selector is not None:
         selector.reset()
     # no_grad rather than inference_mode: returned tensors stay ordinary tensors that callers may
@@ -242,7 +321,7 @@ def speculative_generate(
             cache_slack,
             tree,
             mode,
-            fall_back=cuda_graphs is None,
+            fall_back=fall_back,
             limit=input_ids.shape[0] if limit is None else limit,
         )
         return loop.run(input_ids, attention_mask, progress)
@@ -542,34 +621,11 @@ class _Loop:
             for given, used in own:
                 used.set_state(given.get_state())
             return self._generate(workspace, input_ids, attention_mask, progress)
-        except CacheFull as full:
-            raise RuntimeError(self._slack_advice(full, input_ids.shape[1])) from None
         finally:
             workspace.state.drop_prompts()  # a kept workspace keeps no caller's tensors
             for given, used in own:
                 given.set_state(used.get_state())  # the caller's generator advanced as drawn
             workspace.lock.release()
-
-    def _slack_advice(self, full: CacheFull, prompt: int) -> str:
-        """Why a step did not fit, and the ``cache_slack`` that would have held it.
-
-        No minimum can be checked before the call: a step writes ``k + 1`` columns (more for a
-        tree) beside the row holding the most, so what it needs depends on the window the
-        selector chooses per step and on how far apart the rows have drifted (``0`` fits a
-        call whose rows keep pace; the first step always fits).
-        """
-        # What the caches hold besides the slack (graph mode's alignment columns left out:
-        # the capacity a larger slack gives is rounded up again).
-        reserved = prompt + self.options.max_new_tokens + self._tree_columns()
-        this_step = full.columns - reserved
-        return (
-            f"cache_slack={self.slack} is too small for this call: a step needed {full.columns} "
-            f"cache columns per row, the caches hold {full.capacity}; pass cache_slack >= "
-            f"{this_step} for this step, or >= {max(this_step, full.width)} for every step as "
-            f"wide ({full.width} columns beside the longest row, which never holds more than "
-            "its prompt and max_new_tokens) however far the rows drift apart; the default, "
-            f"{DEFAULT_CACHE_SLACK}, holds chains of several dozen drafts"
-        )
 
     def _generate(
         self, workspace: _Workspace, input_ids: Tensor, attention_mask: Tensor, progress: bool
@@ -594,6 +650,15 @@ class _Loop:
         stats.verify_seconds = seconds["verify"]
         stats.other_seconds = seconds["prepare"] + seconds["finish"]
         stats.captures, stats.mode = runner.captures - captured, runner.mode
+        if stats.depth_cuts:
+            warnings.warn(
+                f"cache_slack={self.slack} left no room for the draft the selector asked for at "
+                f"{stats.depth_cuts} of {len(stats.steps)} steps, which drafted less (rows that "
+                "drift apart need more columns): pass a larger cache_slack (default "
+                f"{DEFAULT_CACHE_SLACK}) for speed; the output is the same",
+                UserWarning,
+                stacklevel=5,
+            )
         return SpeculativeOutput(state.result(input_ids), stats)
 
     def _workspace(self, input_ids: Tensor) -> _Workspace:
@@ -746,18 +811,29 @@ class _Loop:
 
     def _steps(self, state: GenerationState, step: Step, progress: bool) -> None:
         total = state.batch * self.options.max_new_tokens
-        with tqdm(total=total, disable=not progress, unit="tok", desc="speculative") as bar:
+        plain = self.selector is None
+        desc = "plain decoding" if plain else "speculative"
+        with tqdm(total=total, disable=not progress, unit="tok", desc=desc) as bar:
             first = True
             while state.unfinished:
-                bar.update(step.run())
+                _advance(bar, step.run())
                 if first:  # every model has run by now
                     for cache in state.caches():
                         cache.check_written()
                     first = False
-                if progress and state.stats.steps:  # (the steps accounted so far)
+                if progress and not plain and state.stats.steps:  # (the steps accounted so far)
                     totals = Totals.of(state.stats.steps)
                     bar.set_postfix(tps=f"{totals.tokens_per_step:.2f}", vsr=f"{totals.vsr:.2f}")
-            bar.update(step.settle())
+            _advance(bar, step.settle())
+
+
+def _advance(bar: tqdm, advance: Advance) -> None:  # type: ignore[type-arg]
+    """Count a step's tokens, and take the budget of rows that stopped early off the total (a
+    rate over tokens never generated would overstate the speed)."""
+    if advance.unused:
+        bar.total -= advance.unused
+        bar.refresh()
+    bar.update(advance.tokens)
 
 
 __all__ = [

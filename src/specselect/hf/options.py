@@ -72,7 +72,25 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "stop_strings": (None,),
     "max_time": (None,),
     "is_assistant": (None, False),
+    # HF's mixture of the target's and the draft's distributions: not the target's.
+    "assistant_ensemble_weight": (None,),
 }
+
+# HF's own assisted-generation settings: here the selector decides what is drafted and
+# verified, so a caller's config that sets one (to other than its global default) is warned
+# that it is ignored. Only the caller's: a model's config may carry them from its training.
+_HF_SPECULATION = (
+    "num_assistant_tokens",
+    "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold",
+    "assistant_early_exit",
+    "assistant_lookbehind",
+    "target_lookbehind",
+    "prompt_lookup_num_tokens",
+    "max_matching_ngram_size",
+    "use_mtp",
+    "speculation_type",
+)
 
 # Outputs generate() adds with return_dict_in_generate; the loop returns sequences and its own
 # statistics only.
@@ -153,6 +171,7 @@ def resolve_options(
         _reject_unsupported(config, _UNSUPPORTED_WHEN_SAMPLING, _NOT_A_DECODING_MODE)
     else:
         _warn_ignored_sampling_arguments(overrides)
+    _warn_ignored_speculation_settings(generation_config)
     eos = _token_ids("eos_token_id", config.eos_token_id)
     pad = config.pad_token_id
     pad = None if pad is None else check_int("pad_token_id", pad)
@@ -213,6 +232,12 @@ def _max_new_tokens(
         return DEFAULT_MAX_NEW_TOKENS
     max_length = check_int("max_length", config.max_length)
     if not explicit_max_length:  # generate() adds the default to the prompt, up to the limit
+        warnings.warn(
+            f"no length given: generating {max_length} new tokens per row, generate()'s "
+            "default; pass max_new_tokens to choose",
+            UserWarning,
+            stacklevel=4,
+        )
         if position_limit is None or prompt_width + max_length <= position_limit:
             return max_length
         if position_limit <= prompt_width:
@@ -288,6 +313,30 @@ def _warn_ignored_sampling_arguments(overrides: dict[str, Any]) -> None:
             f"{', '.join(ignored)} only {verb} when sampling; do_sample is False, so "
             f"{'it is' if len(ignored) == 1 else 'they are'} ignored, as in generate() (pass "
             "do_sample=True to sample)",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _warn_ignored_speculation_settings(generation_config: GenerationConfig | None) -> None:
+    """Warn when the caller's config sets HF's own assisted-generation settings, which
+    ``generate`` reads with an ``assistant_model`` and this loop does not (its selector
+    decides)."""
+    if generation_config is None:
+        return
+    defaults = GenerationConfig._get_default_generation_params()
+    ignored = [
+        f"{field}={value!r}"
+        for field in _HF_SPECULATION
+        if (value := getattr(generation_config, field, None)) is not None
+        and value != defaults.get(field)
+    ]
+    if ignored:
+        warnings.warn(
+            f"generation_config sets HF's assisted-generation settings {', '.join(ignored)}, "
+            "which speculative_generate ignores: its selector chooses what to draft and "
+            "verify (e.g. make_selector('fixed', k=...) for a fixed window, "
+            "make_selector('threshold', ...) for a confidence threshold)",
             UserWarning,
             stacklevel=4,
         )

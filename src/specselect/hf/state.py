@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import overload
+from typing import NamedTuple, overload
 
 import torch
 from torch import Tensor
@@ -126,7 +126,9 @@ class GenerationStats:
     end) and wall times on a CPU; ``prefill_seconds`` is the first rows' prompt pass.
     ``cache_widths`` holds the columns in use in each model's cache after each step,
     ``draft_depths`` each step's draft length (a tree's depth; 0 for a plain step);
-    ``compactions`` counts cache compactions (both models). ``mode`` is how the stages ran at
+    ``compactions`` counts cache compactions (both models), ``depth_cuts`` the steps that
+    drafted less than the selector asked because the caches had no room for more (a larger
+    ``cache_slack`` avoids them). ``mode`` is how the stages ran at
     the end of the call: ``"eager"``, ``"cuda"`` (CUDA graphs) or ``"trace"`` (graph mode
     emulated on a CPU, :func:`~specselect.hf.emulate_on_cpu`); ``"eager"`` also after a failed
     capture made a graph-mode call go on eagerly. ``captures`` counts the graphs this call
@@ -150,6 +152,7 @@ class GenerationStats:
     other_seconds: float = 0.0
     prefill_seconds: float = 0.0
     compactions: int = 0
+    depth_cuts: int = 0
     captures: int = 0
     mode: str = "eager"
 
@@ -263,22 +266,15 @@ class Layout:
         )
 
 
-class CacheFull(RuntimeError):
-    """A step needs more cache columns per row than the caches hold, even after compaction
-    (``speculative_generate`` says which ``cache_slack`` would have held it).
+class Advance(NamedTuple):
+    """What a step adds to the progress bar: the tokens it wrote, and the budget its finished
+    rows leave unused (taken off the bar's total, which counts ``max_new_tokens`` per row)."""
 
-    Attributes:
-        columns: the columns per row the step needed.
-        capacity: the columns per row the caches hold.
-        width: the columns the step writes beside the longest row.
-    """
+    tokens: int
+    unused: int
 
-    def __init__(self, columns: int, capacity: int, width: int) -> None:
-        super().__init__(
-            f"a step needs {columns} cache columns per row, more than the {capacity} the caches "
-            "hold after compaction: pass a larger cache_slack"
-        )
-        self.columns, self.capacity, self.width = columns, capacity, width
+
+NO_ADVANCE = Advance(0, 0)
 
 
 @dataclass(frozen=True)
@@ -611,14 +607,14 @@ class GenerationState:
         draft_used = self.drafter.cache.used if self.drafter is not None else 0
         return StepReport(report, served, depth, seconds, (self.target.used, draft_used))
 
-    def account(self, step: StepReport) -> int:
-        """A retired step's statistics (per row and per step); returns tokens written plus the
-        unused budget of the rows it finished (the progress bar's advance)."""
+    def account(self, step: StepReport) -> Advance:
+        """A retired step's statistics (per row and per step); returns the tokens it wrote and
+        the unused budget of the rows it finished (the progress bar's advance)."""
         report = step.report
         finished, verified, accepted = report[FINISHED], report[VERIFIED], report[ACCEPTED]
         written = report[WRITTEN]
         rows, verified_row, accepted_row = [], [], []  # per active row, in slot order
-        advance = 0
+        tokens = unused = 0
         per_row = self.per_row
         for slot, row in enumerate(step.slot_rows):
             if row < 0:
@@ -630,9 +626,9 @@ class GenerationState:
             per_row["accepted"][row] += accepted[slot]
             per_row["emitted"][row] += accepted[slot] + 1
             per_row["steps"][row] += 1
-            advance += written[slot]
+            tokens += written[slot]
             if finished[slot]:  # its count is final: retire() saw its last tokens
-                advance += self.options.max_new_tokens - self.generated_host[row]
+                unused += self.options.max_new_tokens - self.generated_host[row]
         self.stats.verified_per_step.append(rows, verified_row)
         self.stats.accepted_per_step.append(rows, accepted_row)
         active, accepted_sum = len(rows), sum(accepted_row)
@@ -647,7 +643,17 @@ class GenerationState:
         )
         self.stats.cache_widths.append(step.cache_widths)
         self.stats.draft_depths.append(step.depth)
-        return advance
+        return Advance(tokens, unused)
+
+    def columns_left(self) -> tuple[int, int]:
+        """The most columns per row the next step can write to the target's and the draft's
+        cache (``0`` without a draft), compaction included: each capacity less the most any
+        slot of the next bucket holds. A step within them never overflows (:meth:`make_room`)."""
+        keep = self._slots_to_keep(max(bucket_for(self.num_active, self.graphs), 1))
+        target = self.target.capacity - max(self.counts[0][slot] for slot in keep)
+        if self.drafter is None:
+            return target, 0
+        return target, self.drafter.cache.capacity - max(self.counts[1][slot] for slot in keep)
 
     def make_room(self, target_width: int, draft_width: int) -> None:
         """Before a step writing ``target_width`` / ``draft_width`` columns: shrink to a smaller
@@ -667,7 +673,10 @@ class GenerationState:
         for cache, width, counts in caches:
             used = max(counts[slot] for slot in keep)
             if used + width > cache.capacity:
-                raise CacheFull(used + width, cache.capacity, width)
+                raise RuntimeError(  # plan() cuts the depth to columns_left(): a bug
+                    f"internal error: a step needs {used + width} cache columns per row, more "
+                    f"than the {cache.capacity} the caches hold after compaction"
+                )
             rows = host_index(keep, cache.count.device)
             if cache is self.target:
                 cache.compact(rows, used)
@@ -711,9 +720,10 @@ class GenerationState:
 
 
 __all__ = [
+    "NO_ADVANCE",
     "REPORT_ROWS",
+    "Advance",
     "Buffers",
-    "CacheFull",
     "GenerationState",
     "GenerationStats",
     "Layout",

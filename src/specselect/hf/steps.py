@@ -50,7 +50,9 @@ from specselect.hf.graphs import StageRunner
 from specselect.hf.state import (
     ACCEPTED,
     DEEPEST,
+    NO_ADVANCE,
     VERIFIED,
+    Advance,
     GenerationState,
     PhaseClock,
     StepReport,
@@ -119,7 +121,7 @@ class Step(abc.ABC):
         self.selection: Selection | None = None  # the current step's, for update()
         self._unaccounted: StepReport | None = None  # read back, statistics not yet taken
 
-    def run(self) -> int:
+    def run(self) -> Advance:
         """One step; returns the progress bar's advance of the step it accounted (the previous
         one: see :meth:`settle`).
 
@@ -164,15 +166,15 @@ class Step(abc.ABC):
         clock.lap()
         return advance
 
-    def settle(self) -> int:
+    def settle(self) -> Advance:
         """Account the last step read back, if not yet (its statistics); returns its progress
-        bar advance (0 if there was none).
+        bar advance (none if there was none).
 
         :meth:`run` accounts a step during the next one, after that one's stages are launched:
         on a GPU the host then works while the device runs them, where right after the
         read-back the device would wait for it. The loop settles the last step at the end."""
         step, self._unaccounted = self._unaccounted, None
-        return 0 if step is None else self.state.account(step)
+        return NO_ADVANCE if step is None else self.state.account(step)
 
     def _observe(self, report: list[list[int]]) -> None:
         """``selector.observe`` with the step's outcomes, per active caller row in row order
@@ -222,9 +224,32 @@ class Step(abc.ABC):
             return key[-1]
         return None
 
-    @abc.abstractmethod
     def plan(self) -> Plan:
-        """Decide the step's widths (host only)."""
+        """Decide the step's widths (host only): the depth the selector asks for, as deep as
+        the caches have room for.
+
+        A step writes its columns beside the row holding the most; rows that drift apart
+        could need more than ``cache_slack`` leaves, and rather than fail mid-run (losing the
+        call's work) the step drafts less, which only costs speed (``stats.depth_cuts``)."""
+        depth = self.requested_depth()
+        target_left, draft_left = self.state.columns_left()
+        plan = self.plan_at(depth)
+        while plan.width and not (
+            plan.target_columns <= target_left and plan.draft_columns <= draft_left
+        ):
+            plan = self.plan_at(plan.width - 1)
+        if plan.width < depth:
+            self.state.stats.depth_cuts += 1
+        return plan
+
+    @abc.abstractmethod
+    def requested_depth(self) -> int:
+        """The draft length (a tree's depth) the selector asks for, cut to what any row can
+        still emit; 0 for a plain step."""
+
+    @abc.abstractmethod
+    def plan_at(self, depth: int) -> Plan:
+        """The step's widths when drafting ``depth`` tokens (a tree ``depth`` deep)."""
 
     @abc.abstractmethod
     def draft(self, plan: Plan) -> None:
@@ -395,16 +420,18 @@ class ChainStep(Step):
     With ``selector=None`` (no drafter) every step is a plain decoding step.
     """
 
-    def plan(self) -> Plan:
+    def requested_depth(self) -> int:
+        if self.selector is None:
+            return 0
         state = self.state
-        k = 0
-        if self.selector is not None:
-            k = check_int("selector.draft_length()", self.selector.draft_length(state.num_active))
-            k = draftable_depth(k, state.most_remaining)
-        drafter = state.drafter
-        draft_columns = drafter.footprint(k) if drafter is not None else 0
+        k = check_int("selector.draft_length()", self.selector.draft_length(state.num_active))
+        return draftable_depth(k, state.most_remaining)
+
+    def plan_at(self, depth: int) -> Plan:
+        drafter = self.state.drafter
+        draft_columns = drafter.footprint(depth) if drafter is not None else 0
         backlog = drafter.width if drafter is not None else 0
-        return Plan(k, k + 1, draft_columns, ("chain", k, backlog))
+        return Plan(depth, depth + 1, draft_columns, ("chain", depth, backlog))
 
     def draft(self, plan: Plan) -> None:
         state = self.state
@@ -466,14 +493,17 @@ class TreeStep(Step):
         super().__init__(*args, **kwargs)
         self.tree = tree
 
-    def plan(self) -> Plan:
-        drafter = self._drafter()
+    def requested_depth(self) -> int:
         state = self.state
         assert self.selector is not None
         # The selector's draft length caps the depth (no selector verifies deeper than it
         # drafts a chain); deeper nodes than a row's remaining tokens are unemittable.
         window = check_int("selector.draft_length()", self.selector.draft_length(state.num_active))
-        depth = draftable_depth(min(self.tree.depth, window), state.most_remaining)
+        return draftable_depth(min(self.tree.depth, window), state.most_remaining)
+
+    def plan_at(self, depth: int) -> Plan:
+        drafter, state = self._drafter(), self.state
+        assert self.selector is not None
         if depth == 0:  # no row can emit a draft token: a plain step
             return Plan(0, 1, drafter.footprint(0), ("tree", 0, drafter.width))
         spec = replace(self.tree, depth=depth)
