@@ -238,22 +238,20 @@ def speculative_generate(
     devices = [t_handle.device] + ([d_handle.device] if d_handle is not None else [])
     generators = split_generator(generator, *devices)
     mode = graph_mode(cuda_graphs, t_handle, d_handle, generators.values())
+    loop = _Loop(
+        t_handle,
+        d_handle,
+        selector,
+        options,
+        generators,
+        cache_slack,
+        tree,
+        mode,
+        fall_back=cuda_graphs is None,
+        limit=input_ids.shape[0] if limit is None else limit,
+    )
     with _claimed(selector):
-        return _run(
-            t_handle,
-            d_handle,
-            input_ids,
-            attention_mask,
-            selector,
-            options,
-            generators,
-            cache_slack,
-            tree,
-            mode,
-            cuda_graphs is None,
-            limit,
-            progress,
-        )
+        return loop.run(input_ids, attention_mask, progress)
 
 
 # The selectors a call is using, by id (alive while in use): a selector holds one generation's
@@ -280,51 +278,6 @@ def _claimed(selector: Selector | None) -> Iterator[None]:
     finally:
         with _SELECTORS_LOCK:
             _SELECTORS_IN_USE.discard(id(selector))
-
-
-def _run(
-    t_handle: ModelHandle,
-    d_handle: ModelHandle | None,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    selector: Selector | None,
-    options: GenerationOptions,
-    generators: dict[torch.device, torch.Generator | None],
-    cache_slack: int,
-    tree: TreeSpec | None,
-    mode: Mode,
-    fall_back: bool,
-    limit: int | None,
-    progress: bool,
-) -> SpeculativeOutput:
-    """The checked call: the selector reset, the loop run in the modes it needs."""
-    if selector is not None:
-        selector.reset()
-    # no_grad rather than inference_mode: returned tensors stay ordinary tensors that callers may
-    # modify in place, as with generate(). Value checks are off for the tensors the loop makes.
-    # On a GPU the loop runs with the target's device current: its stream is where the graphs
-    # are captured and where the read-back's event is recorded.
-    current = (
-        torch.cuda.device(t_handle.device)
-        if t_handle.device.type == "cuda"
-        else contextlib.nullcontext()
-    )
-    # inference_mode(False): a caller's inference mode would make the kept workspace's buffers
-    # inference tensors, which a later call outside it could not update in place.
-    with torch.inference_mode(False), torch.no_grad(), trusted_values(), current:
-        loop = _Loop(
-            t_handle,
-            d_handle,
-            selector,
-            options,
-            generators,
-            cache_slack,
-            tree,
-            mode,
-            fall_back=fall_back,
-            limit=input_ids.shape[0] if limit is None else limit,
-        )
-        return loop.run(input_ids, attention_mask, progress)
 
 
 def _position_limit(target: object) -> int | None:
@@ -611,6 +564,22 @@ class _Loop:
         self.limit = limit  # the most rows generated at once
 
     def run(self, input_ids: Tensor, attention_mask: Tensor, progress: bool) -> SpeculativeOutput:
+        """The call, its selector reset, in the modes the loop needs.
+
+        ``no_grad`` rather than inference mode: returned tensors stay ordinary tensors that
+        callers may modify in place, as with ``generate()``, and a caller's inference mode
+        would make a kept workspace's buffers inference tensors, which a later call outside it
+        could not update in place. Value checks are off for the tensors the loop makes. On a
+        GPU the loop runs with the target's device current: its stream is where the graphs are
+        captured and where the read-back's event is recorded."""
+        if self.selector is not None:
+            self.selector.reset()
+        device = self.target.device
+        current = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with torch.inference_mode(False), torch.no_grad(), trusted_values(), current:
+            return self._run(input_ids, attention_mask, progress)
+
+    def _run(self, input_ids: Tensor, attention_mask: Tensor, progress: bool) -> SpeculativeOutput:
         workspace = self._workspace(input_ids)
         own = [  # (the caller's generator, the workspace's) per device
             (given, used)
