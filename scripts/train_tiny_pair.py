@@ -68,6 +68,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from specselect.hf.compat import cache_argument
+
 EOS = "<|endoftext|>"
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src" / "specselect" / "models" / "tiny_pair"
 # Directories that are not ordinary hand-written library code.
@@ -444,13 +446,14 @@ def build_prompts(held: Sequence[SourceFile], per_kind: int) -> list[dict]:
 @torch.no_grad()
 def greedy_continuation(model: PreTrainedModel, ids: Tensor, n: int) -> Tensor:
     """The model's greedy continuation, ignoring EOS  # ids [1, T] -> [1, n]."""
+    cache_arg = cache_argument(model)  # the KV cache's name in this transformers release
     out = model(input_ids=ids, use_cache=True)
-    past, tokens = out.past_key_values, []
+    past, tokens = getattr(out, cache_arg), []
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     for _ in range(n):
         tokens.append(nxt)
-        out = model(input_ids=nxt, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=nxt, use_cache=True, **{cache_arg: past})
+        past = getattr(out, cache_arg)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     return torch.cat(tokens, dim=1)
 
@@ -460,14 +463,15 @@ def sampled_continuation(
     model: PreTrainedModel, ids: Tensor, n: int, gen: torch.Generator
 ) -> Tensor:
     """A temperature-1 sample of ``n`` tokens  # ids [1, T] -> [1, n]."""
+    cache_arg = cache_argument(model)
     out = model(input_ids=ids, use_cache=True)
-    past, tokens = out.past_key_values, []
+    past, tokens = getattr(out, cache_arg), []
     for _ in range(n):
         probs = out.logits[:, -1].float().softmax(-1)
         nxt = torch.multinomial(probs, 1, generator=gen)
         tokens.append(nxt)
-        out = model(input_ids=nxt, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=nxt, use_cache=True, **{cache_arg: past})
+        past = getattr(out, cache_arg)
     return torch.cat(tokens, dim=1)
 
 
