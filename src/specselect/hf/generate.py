@@ -610,7 +610,9 @@ class _Loop:
         state.admit()  # the first rows' prompts
         for handle in (self.target, self.draft):  # timed to its end: a one-off setup sync
             if handle is not None and handle.device.type == "cuda":
-                torch.cuda.synchronize(handle.device)
+                # The stream's, not the device's: a device-wide sync is illegal while another
+                # thread's call captures a graph on that device, and would break its capture.
+                torch.cuda.current_stream(handle.device).synchronize()
         state.stats.prefill_seconds = time.perf_counter() - start
         self._steps(state, step, progress)
         stats = state.stats

@@ -148,9 +148,7 @@ class StageRunner:
             return
         stage()  # the real run doubles as the warm-up
         try:
-            with recording():
-                graph = self._capture_cuda(stage)
-            self._graphs[key] = graph
+            self._graphs[key] = self._capture_checked(stage, recording)
         except RuntimeError as err:
             global _BROKEN
             _BROKEN = f"a CUDA graph capture failed earlier in this process ({err})"
@@ -168,6 +166,22 @@ class StageRunner:
             return
         self.captures += 1
 
+    def _capture_checked(
+        self, stage: Callable[[], None], recording: Callable[[], AbstractContextManager[None]]
+    ) -> Any:
+        """Capture ``stage`` inside ``recording()``. A capture that the recording's check then
+        refuses is parked, not destroyed: destroying it could free memory the kept graphs
+        still use (see :meth:`forget`)."""
+        graph = None
+        try:
+            with recording():
+                graph = self._capture_cuda(stage)
+        except BaseException:
+            if graph is not None:
+                self._parked.append(graph)
+            raise
+        return graph
+
     def _trace_or_warm_up(
         self,
         key: Hashable,
@@ -178,7 +192,10 @@ class StageRunner:
 
         Like a CUDA capture, a trace follows a warm-up run of its key: state that a stage
         allocates when first run (a selector's) must exist before it is recorded. The warm-up
-        is what ``captures`` counts, so a key costs one capture in both modes.
+        is what ``captures`` counts, so a key costs one capture in both modes. The warm-up
+        forbids host reads too: CUDA captures every key on its first use, where a key used
+        once would otherwise never be checked (state allocated on first use may be made from
+        host values, as outside a capture).
         """
         if key in self._warm:
             with recording():
@@ -186,7 +203,8 @@ class StageRunner:
             self._graphs[key] = graph
             return
         self._warm.add(key)
-        stage()
+        with HostReads(forbid=True):
+            stage()
         self.captures += 1
 
     def forget(self, stale: Callable[[Hashable], bool]) -> None:

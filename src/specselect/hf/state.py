@@ -228,9 +228,10 @@ class PhaseClock:
             self._laps = []
 
     def totals(self) -> list[float]:
-        """Seconds spent in each phase over all steps (syncs the device once on a GPU)."""
+        """Seconds spent in each phase over all steps (waits once, on a GPU, for the last lap's
+        event: a device-wide sync would break another thread's capture on the device)."""
         if self.cuda and self._steps:
-            torch.cuda.synchronize()
+            self._steps[-1][-1].synchronize()  # type: ignore[attr-defined]
         for laps in self._steps:
             for phase in range(self.phases):
                 start, end = laps[phase], laps[phase + 1]
@@ -589,8 +590,11 @@ class GenerationState:
         while the device waits; the statistics can wait until that launch has been made."""
         served = list(self.slot_rows)
         self.steps_read += 1
-        if any(report[NAN]):
-            row = served[report[NAN].index(1)]
+        # Only a served row's: idle and padding slots run holes through the models, whose
+        # distributions mean nothing (half precision may overflow there).
+        nan_rows = [row for row, flag in zip(served, report[NAN], strict=True) if flag and row >= 0]
+        if nan_rows:
+            row = nan_rows[0]
             raise RuntimeError(
                 f"sampling met a NaN in row {row}'s distribution (step {self.steps_read}): the "
                 "target's or the draft's logits hold +inf or NaN, or logits / temperature "
