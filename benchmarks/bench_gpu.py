@@ -640,7 +640,8 @@ def end_to_end(
     ``--refill N`` ``N * B``: ``speculative_generate`` then runs them through ``B`` slots
     (``slots=B``: a finished row's slot takes the next prompt) and HF in static batches of
     ``B``. ``costs``: the cost model of each mode (graphs or not) measured on this pair, which
-    goodput-TETRIS plans with; a mode without one has no goodput-TETRIS row."""
+    goodput-TETRIS and DSD plan with; a mode without one has no goodput-TETRIS row (and DSD
+    plans with the library's default model)."""
     device, rows, new = ids.device, ids.shape[0], args.max_new_tokens
     batch = rows // max(args.refill, 1)  # slots
     mask = torch.ones_like(ids)
@@ -669,20 +670,29 @@ def end_to_end(
         )
         runs.append(Run(rows, "HF assisted (eager)", seconds, tokens, same(out)))
     slots = batch if args.refill else None
-    configs: list[tuple[str, dict[str, Any] | None, TreeSpec | None]] = [("plain", None, None)]
-    configs += [(name, {"name": name, **selector_kwargs(name, args.k)}, None) for name in SELECTORS]
-    configs.append(("tetris tree(3,2,2)", {"name": "tetris", "k": args.k}, TreeSpec(3, 2, 2)))
+    # (method, label, selector spec, tree): --methods names the methods.
+    configs: list[tuple[str, str, dict[str, Any] | None, TreeSpec | None]] = [
+        ("plain", "plain", None, None)
+    ]
+    configs += [
+        (name, name, {"name": name, **selector_kwargs(name, args.k)}, None) for name in SELECTORS
+    ]
+    configs.append(
+        ("tree", "tetris tree(3,2,2)", {"name": "tetris", "k": args.k}, TreeSpec(3, 2, 2))
+    )
     goodput = {"name": "tetris", "k": args.k, "extra": 2, "budget": "goodput"}
-    configs.append((GOODPUT_LABEL, goodput, None))
+    configs.append(("goodput", GOODPUT_LABEL, goodput, None))
+    chosen = [config[1:] for config in configs if config[0] in args.methods]
     cut = False
-    for (label, spec, tree), graphs in itertools.product(configs, (False, True)):
+    for (label, spec, tree), graphs in itertools.product(chosen, args.graph_modes):
         if out_of_time(args):
             cut = True
             break
-        if label == GOODPUT_LABEL:  # planned with this mode's measured costs
-            if graphs not in costs:
-                continue
-            spec = {**goodput, "cost_model": costs[graphs]}
+        planner = label == GOODPUT_LABEL or (spec is not None and spec["name"] == "dsd")
+        if planner and graphs in costs:  # goodput-TETRIS and DSD plan with this mode's costs
+            spec = {**(spec or {}), "cost_model": costs[graphs]}
+        elif label == GOODPUT_LABEL:  # no measured costs in this mode: no row
+            continue
         selector = None if spec is None else make_selector(**spec)
         seconds, out = timed(
             lambda s=selector, t=tree, g=graphs: speculative_generate(
@@ -712,21 +722,24 @@ def end_to_end(
 
 #: Part b's row of TETRIS with the goodput budget (k + extra = k + 2 deep at most).
 GOODPUT_LABEL = "tetris goodput"
+#: What part b can run besides HF's generate (``--methods``).
+PART_B_METHODS = ("plain", *SELECTORS, "tree", "goodput")
 
 
 def pair_costs(
     target: PreTrainedModel, draft: PreTrainedModel, args: argparse.Namespace
 ) -> Iterator[tuple[bool, CostModel | str]]:
-    """Per mode (graphs: False, True), the pair's cost model measured here with
+    """Per mode of the run (graphs: False, True), the pair's cost model measured here with
     :meth:`CostModel.measure` (the batch sizes of the run, widths 1..8, the context halfway
-    through a call), or why it could not be: what goodput-TETRIS plans with, so that its row
-    plans with the costs of the mode it runs in. A failed measurement is its mode's message,
-    not the end of the run."""
+    through a call), or why it could not be: what goodput-TETRIS and DSD plan with, so that
+    their rows plan with the costs of the mode they run in. A failed measurement is its mode's
+    message, not the end of the run."""
     batches = sorted(set(args.batch_sizes))
     if len(batches) < 2:  # the fit separates a per-row cost from the fixed one
         batches.append(2 * batches[0])
     context = args.prompt + args.max_new_tokens // 2
-    for graphs in (False, True):
+    planners = {"goodput", "dsd"}.intersection(args.methods)
+    for graphs in args.graph_modes if planners else ():  # (a model no row plans with: none)
         try:
             yield (
                 graphs,
@@ -814,7 +827,8 @@ def part_b(args: argparse.Namespace, device: torch.device) -> Iterator[str]:
                 rate = run.tokens / run.seconds
                 vs_plain = "" if plain is None else f"{rate * plain.seconds / plain.tokens:.2f}x"
                 tps = "" if run.tokens_per_step is None else f"{run.tokens_per_step:.2f}"
-                vsr = "" if run.vsr is None else f"{run.vsr:.2f}"
+                # (none verified: plain decoding, or a threshold that drafted nothing)
+                vsr = "" if run.vsr is None or math.isnan(run.vsr) else f"{run.vsr:.2f}"
                 yield (
                     f"| {batch} | {run.method} | {run.seconds:.3f} | {rate:.0f} "
                     f"| {rate / base:.2f}x | {vs_plain} | {tps} | {vsr} "
@@ -863,6 +877,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="timed calls (median) per cell (default: 2; with --smoke: 1)",
     )
     parser.add_argument("--cache-dir", help="part b: where the trained pair is kept")
+    parser.add_argument(
+        "--modes",
+        default="eager,graph",
+        help="part b: the modes speculative_generate runs in, of eager and graph",
+    )
+    parser.add_argument(
+        "--methods",
+        default=",".join(PART_B_METHODS),
+        help="part b: what speculative_generate runs besides HF's generate, of "
+        f"{', '.join(PART_B_METHODS)} (tree: TETRIS on a (3,2,2) tree; goodput: TETRIS with the "
+        "goodput budget)",
+    )
     parser.add_argument("--select-batch-sizes", default="1,8,32,64,256", help="part s")
     parser.add_argument("--select-width", type=int, default=8, help="part s: K per row")
     parser.add_argument("--select-steps", type=int, default=200, help="part s: steps timed")
@@ -906,6 +932,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--steps must be at least 2, got {args.steps}")
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    args.methods = args.methods.split(",")
+    if unknown := sorted(set(args.methods) - set(PART_B_METHODS)):
+        parser.error(
+            f"--methods: unknown {', '.join(unknown)}; expected {', '.join(PART_B_METHODS)}"
+        )
+    modes = args.modes.split(",")
+    if unknown := sorted(set(modes) - {"eager", "graph"}):
+        parser.error(f"--modes: unknown {', '.join(unknown)}; expected eager, graph")
+    args.graph_modes = [mode == "graph" for mode in ("eager", "graph") if mode in modes]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.select_batch_sizes = [int(b) for b in args.select_batch_sizes.split(",")]
     args.dtype = getattr(torch, args.dtype)

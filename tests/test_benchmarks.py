@@ -313,6 +313,50 @@ def test_gpu_benchmark_measures_the_goodput_budgets_cost_models(
     assert gpu.CostModel.load(saved).verify_time(8, 8) == costs[True].verify_time(8, 8)
 
 
+@pytest.mark.parametrize(
+    ("options", "measured"),
+    [
+        (["--modes", "graph", "--methods", "fixed,goodput"], [True]),
+        (["--methods", "dsd"], [False, True]),
+        (["--methods", "plain,fixed"], []),  # no row plans with a cost model
+    ],
+)
+def test_gpu_benchmark_measures_cost_models_only_for_what_it_runs(
+    bench: Callable[[str], ModuleType],
+    monkeypatch: pytest.MonkeyPatch,
+    options: list[str],
+    measured: list[bool],
+) -> None:
+    """Part b limited to some methods and modes (a GPU session's minutes) measures the cost
+    models of the modes it runs, and only for goodput-TETRIS and DSD, which plan with them."""
+    gpu = bench("bench_gpu")
+    args = gpu.parse_args(["--smoke", "--device", "cpu", *options])
+    asked: list[bool] = []
+    monkeypatch.setattr(
+        gpu.CostModel, "measure", lambda *models, **kwargs: asked.append(kwargs["cuda_graphs"])
+    )
+    list(gpu.pair_costs(None, None, args))
+    assert asked == measured
+
+
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [
+        (["--methods", "fixed,magic"], "--methods: unknown magic; expected plain, "),
+        (["--modes", "graphs"], "--modes: unknown graphs; expected eager, graph"),
+    ],
+)
+def test_gpu_benchmark_refuses_unknown_methods_and_modes(
+    bench: Callable[[str], ModuleType],
+    capsys: pytest.CaptureFixture[str],
+    option: list[str],
+    says: str,
+) -> None:
+    with pytest.raises(SystemExit):
+        bench("bench_gpu").parse_args(["--smoke", *option])
+    assert says in capsys.readouterr().err
+
+
 def test_gpu_benchmark_trains_a_target_of_100m_and_a_draft_of_a_tenth(
     bench: Callable[[str], ModuleType],
 ) -> None:

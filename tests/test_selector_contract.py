@@ -787,17 +787,22 @@ def test_every_selector_has_a_checked_parameter() -> None:
 # No host sync
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 @pytest.mark.parametrize("name", ["tetris", "tetris-goodput", "fixed"])
-def test_compiles_without_graph_breaks(name: str) -> None:
+def test_compiles_without_graph_breaks(name: str, grad: bool) -> None:
     """fullgraph=True fails on any graph break (a host read of a tensor value is one).
 
     Backend "eager": Dynamo alone finds the graph breaks; no code generation keeps this quick.
+    Under no_grad too, as a decoding loop calls it (Dynamo could not trace the check that
+    skips entering no_grad again, and every compiled cell of bench_gpu's part s failed).
     """
+    torch._dynamo.reset()  # each case compiles the same code for another selector
     selector = make(name)
     compiled = torch.compile(selector.select, fullgraph=True, backend="eager")
     logprobs = drafted(selector, seed=1)
     for active in (None, ACTIVE):
-        got = compiled(logprobs, active)
+        with torch.set_grad_enabled(grad):
+            got = compiled(logprobs, active)
         want = selector.select(logprobs, active)
         assert torch.equal(got.lengths, want.lengths)
         assert torch.equal(got.mask, want.mask)

@@ -94,9 +94,11 @@ def outside_autograd(method: Callable[_P, _R]) -> Callable[_P, _R]:
 
     @functools.wraps(method)
     def plain(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        # Compilation first: Dynamo cannot trace torch.is_inference_mode_enabled().
+        if torch.compiler.is_compiling():
+            return method(*args, **kwargs)
         # (The loop runs in that mode already: entering it again costs microseconds a step.)
-        plain_already = not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-        if plain_already or torch.compiler.is_compiling():
+        if not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             return method(*args, **kwargs)
         with torch.inference_mode(False), torch.no_grad():
             return method(*args, **kwargs)
