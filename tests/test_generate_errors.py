@@ -463,7 +463,9 @@ def test_the_default_length_stops_at_the_position_limit(arch: str) -> None:
     target = tiny_model(arch, seed=0, positions=16)
     target.config.max_position_embeddings = 16  # (Qwen2 keeps its config's default otherwise)
     ids, mask = left_padded_prompts(2, 10, 12, VOCAB, 0)
-    with pytest.warns(UserWarning, match="no length given: generating 20 new tokens per row"):
+    with pytest.warns(
+        UserWarning, match=r"generating 4 new tokens per row \(generate\(\)'s 20, capped"
+    ):
         out = speculative_generate(target, None, ids, mask, selector=None, eos_token_id=[])
     expected = target.generate(ids, attention_mask=mask, do_sample=False, eos_token_id=[])
     assert out.sequences.shape == (2, 16) and torch.equal(out.sequences, expected)
@@ -473,6 +475,13 @@ def test_the_default_length_stops_at_the_position_limit(arch: str) -> None:
     with warnings.catch_warnings():  # a length given says nothing
         warnings.simplefilter("error")
         speculative_generate(target, None, ids, mask, selector=None, max_new_tokens=2)
+
+
+def test_no_length_given_warns_with_the_length_taken(models) -> None:
+    says = r"no length given: generating 20 new tokens per row, as generate\(\) does"
+    with pytest.warns(UserWarning, match=says):
+        out = call(models, max_new_tokens=None)
+    assert out.sequences.shape[1] == 6 + 20
 
 
 def test_model_config_options_are_checked_with_a_caller_config(models) -> None:

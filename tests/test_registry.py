@@ -92,6 +92,34 @@ class Required(FixedWindowSelector):
         self.p = p
 
 
+class NeedsCost(FixedWindowSelector):
+    """Requires a cost model, which its spec_kwargs supplies (a grid must not ask for it)."""
+
+    def __init__(self, k: int, cost_model: object) -> None:
+        super().__init__(k)
+        self.cost_model = cost_model
+
+    @classmethod
+    def spec_kwargs(cls, estimator: str | None, cost_model: object) -> dict[str, Any]:
+        return {"cost_model": cost_model}
+
+
+class OwnMapping(FixedWindowSelector):
+    """Takes extra, but its own grid_kwargs never sets it: one configuration per k."""
+
+    def __init__(self, k: int, extra: int = 2) -> None:
+        super().__init__(k)
+        self.extra = extra
+
+    @classmethod
+    def grid_kwargs(cls, k: int, extra: int, budget: int | None) -> dict[str, Any] | None:
+        return {"k": k} if budget is None else None
+
+
+class SaysNoExtra(Windowed):
+    grid_extra = False  # its configurations keep their own extra
+
+
 def test_the_default_grid_kwargs_set_parameters_by_name() -> None:
     """A selector of one's own that takes k and extra got only k at every extra (its rows
     labelled with an extra it never saw)."""
@@ -104,6 +132,10 @@ def test_the_default_grid_kwargs_set_parameters_by_name() -> None:
         Unset.grid_kwargs(3, 2, None)
     with pytest.raises(TypeError, match="its constructor requires p: override"):
         Required.grid_kwargs(3, 2, None)
+    assert NeedsCost.grid_kwargs(2, 1, None) == {"k": 2}
+    assert not grid_depends_on_extra(OwnMapping)  # its grid_kwargs, not its constructor
+    assert SaysNoExtra.grid_kwargs(3, 2, None) == {"k": 3}
+    assert not grid_depends_on_extra(SaysNoExtra)
 
 
 TAKE_AN_ESTIMATOR = {"tetris", "threshold"}

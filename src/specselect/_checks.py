@@ -134,8 +134,18 @@ def _values_checkable(t: Tensor) -> bool:
         not torch.compiler.is_compiling()
         and not _TRUSTED.get()
         and readable_eagerly(t)
-        and (t.device.type == "cpu" or _DEVICE_VALUE_CHECKS)
+        and (
+            t.device.type == "cpu"
+            # (never inside a CUDA graph capture, where a read would break the capture)
+            or (_DEVICE_VALUE_CHECKS and not capturing(t.device))
+        )
     )
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream (only recorded,
+    nothing runs: no value can be read, and a tensor made now holds garbage until replay)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def check_int(name: str, value: object, *, minimum: int = 0) -> int:

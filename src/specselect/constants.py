@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from specselect._checks import capturing
+
 __all__ = ["cached_constant"]
 
 _CONSTANTS: OrderedDict[tuple[object, ...], Tensor] = OrderedDict()
@@ -37,7 +39,7 @@ def cached_constant(key: tuple[object, ...], build: Callable[..., Tensor]) -> Te
     if cached is not None:
         return cached
     value = build(*key[1:])
-    if not tracing and type(value) is Tensor and not _capturing(value.device):
+    if not tracing and type(value) is Tensor and not capturing(value.device):
         if len(_CONSTANTS) >= _CONSTANTS_SIZE:
             _evict_one()
         _CONSTANTS[key] = value
@@ -50,7 +52,3 @@ def _evict_one() -> None:
         if old_value.device.type != "cuda":
             del _CONSTANTS[old_key]
             return
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

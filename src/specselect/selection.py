@@ -226,9 +226,9 @@ class Selector(abc.ABC):
     grid_extra: ClassVar[bool | None] = None
     """Whether :meth:`grid_kwargs` depends on ``extra``: a grid then holds one configuration per
     ``extra`` and labels it with it; otherwise one configuration stands for every ``extra``.
-    ``None``: whether the constructor takes ``extra`` or ``max_k`` (see
-    :func:`grid_depends_on_extra`); a :meth:`grid_kwargs` of one's own that reads ``extra``
-    otherwise sets it."""
+    ``None``: whether :meth:`grid_kwargs` differs between two extras (see
+    :func:`grid_depends_on_extra`); ``False`` also keeps the default :meth:`grid_kwargs` from
+    setting ``extra`` and ``max_k``."""
     replay_only: ClassVar[bool] = False
     """Whether it selects with what only replay knows (the oracle's true run lengths): a
     decoding loop refuses it up front."""
@@ -683,15 +683,20 @@ class Selector(abc.ABC):
         parameters = constructor_parameters(cls)
         if budget is not None and "budget" not in parameters:
             return None
+        # A class that says its configurations do not depend on extra keeps its own default.
+        by_extra = {"extra", "max_k"} if cls.grid_extra is False else set()
         kwargs = {
-            name: rule(k, extra) for name, rule in GRID_PARAMETERS.items() if name in parameters
+            name: rule(k, extra)
+            for name, rule in GRID_PARAMETERS.items()
+            if name in parameters and name not in by_extra
         }
         if budget is not None:
             kwargs["budget"] = budget
+        supplied = set(kwargs) | set(cls.spec_kwargs(None, None))  # spec_kwargs adds these
         unset = [
             name
             for name, parameter in parameters.items()
-            if parameter.default is parameter.empty and name not in kwargs
+            if parameter.default is parameter.empty and name not in supplied
         ]
         if unset or not kwargs:
             needs = f"requires {', '.join(unset)}" if unset else "takes none of them"
@@ -745,11 +750,11 @@ a comparison grid's ``(k, extra)``."""
 
 
 def grid_depends_on_extra(cls: type[Selector]) -> bool:
-    """Whether ``cls``'s grid configurations depend on ``extra`` (:attr:`Selector.grid_extra`,
-    else whether its constructor takes ``extra`` or ``max_k``)."""
+    """Whether ``cls``'s grid configurations depend on ``extra``: :attr:`Selector.grid_extra`,
+    else whether its :meth:`~Selector.grid_kwargs` differ between two extras."""
     if cls.grid_extra is not None:
         return cls.grid_extra
-    return not {"extra", "max_k"}.isdisjoint(constructor_parameters(cls))
+    return cls.grid_kwargs(1, 0, None) != cls.grid_kwargs(1, 1, None)
 
 
 def constructor_parameters(cls: type) -> dict[str, inspect.Parameter]:

@@ -206,7 +206,9 @@ def speculative_generate(
             ``generate`` has and this loop does not (other decoding modes, logits processors,
             scores and other extra outputs), ``cuda_graphs=True`` where graphs are impossible, or
             a selector another call is using. All before any generation.
-        RuntimeError: mid-run, a sampling distribution holding NaN (as ``generate``).
+        RuntimeError: mid-run, a sampling distribution holding NaN (as ``generate``), or a
+            selector defined outside specselect that returned an answer breaking its contract
+            (checked on a CPU; an estimator's broken scores are a ``ValueError``).
     """
     t_handle, d_handle, vocab = _checked_models(target, draft, selector, tokenizer)
     cache_slack = check_int("cache_slack", cache_slack)
@@ -626,7 +628,8 @@ class _Loop:
                 f"cache_slack={self.slack} left no room for the draft the selector asked for at "
                 f"{stats.depth_cuts} of {len(stats.steps)} steps, which drafted less (rows that "
                 "drift apart need more columns): pass a larger cache_slack (default "
-                f"{DEFAULT_CACHE_SLACK}) for speed; the output is the same",
+                f"{DEFAULT_CACHE_SLACK}) for speed; greedy output is the same either way, and "
+                "sampling follows the target's distribution either way",
                 UserWarning,
                 stacklevel=5,
             )

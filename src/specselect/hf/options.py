@@ -232,21 +232,25 @@ def _max_new_tokens(
         return DEFAULT_MAX_NEW_TOKENS
     max_length = check_int("max_length", config.max_length)
     if not explicit_max_length:  # generate() adds the default to the prompt, up to the limit
-        warnings.warn(
-            f"no length given: generating {max_length} new tokens per row, generate()'s "
-            "default; pass max_new_tokens to choose",
-            UserWarning,
-            stacklevel=4,
-        )
-        if position_limit is None or prompt_width + max_length <= position_limit:
-            return max_length
-        if position_limit <= prompt_width:
+        if position_limit is not None and position_limit <= prompt_width:
             raise ValueError(
                 f"the default length (max_length {max_length} new tokens) is capped at the "
                 f"target's max_position_embeddings ({position_limit}), which the padded prompt "
                 f"({prompt_width}) already reaches, as in generate(); set max_new_tokens"
             )
-        return position_limit - prompt_width
+        new = (
+            max_length if position_limit is None else min(max_length, position_limit - prompt_width)
+        )
+        capped = (
+            f" (generate()'s {max_length}, capped at the positions)" if new < max_length else ""
+        )
+        warnings.warn(
+            f"no length given: generating {new} new tokens per row{capped}, as generate() "
+            "does; pass max_new_tokens to choose",
+            UserWarning,
+            stacklevel=4,
+        )
+        return new
     if max_length <= prompt_width:
         raise ValueError(
             f"max_length ({max_length}) must exceed the padded prompt length ({prompt_width}): "

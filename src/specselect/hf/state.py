@@ -653,16 +653,16 @@ class GenerationState:
         """The most columns per row the next step can write to the target's and the draft's
         cache (``0`` without a draft), compaction included: each capacity less the most any
         slot of the next bucket holds. A step within them never overflows (:meth:`make_room`)."""
-        keep = self._slots_to_keep(max(bucket_for(self.num_active, self.graphs), 1))
-        target = self.target.capacity - max(self.counts[0][slot] for slot in keep)
+        keep = self._slots_to_keep(self._next_size())
+        target = self.target.capacity - _most_held(self.counts[0], keep)
         if self.drafter is None:
             return target, 0
-        return target, self.drafter.cache.capacity - max(self.counts[1][slot] for slot in keep)
+        return target, self.drafter.cache.capacity - _most_held(self.counts[1], keep)
 
     def make_room(self, target_width: int, draft_width: int) -> None:
         """Before a step writing ``target_width`` / ``draft_width`` columns: shrink to a smaller
         bucket if the active rows fit one, and compact every cache the step would overflow."""
-        new_size = max(bucket_for(self.num_active, self.graphs), 1)
+        new_size = self._next_size()
         shrink = new_size < self.size
         caches: list[tuple[ModelCache, int, list[int]]] = [
             (self.target, target_width, self.counts[0])
@@ -675,7 +675,7 @@ class GenerationState:
                 return
         keep = self._slots_to_keep(new_size)
         for cache, width, counts in caches:
-            used = max(counts[slot] for slot in keep)
+            used = _most_held(counts, keep)
             if used + width > cache.capacity:
                 raise RuntimeError(  # plan() cuts the depth to columns_left(): a bug
                     f"internal error: a step needs {used + width} cache columns per row, more "
@@ -690,6 +690,10 @@ class GenerationState:
             self.stats.compactions += 1
         if shrink:
             self._shrink(keep)
+
+    def _next_size(self) -> int:
+        """The next step's batch size: the bucket that holds the active rows."""
+        return max(bucket_for(self.num_active, self.graphs), 1)
 
     def _slots_to_keep(self, size: int) -> list[int]:
         """The slots of the next bucket: every active slot, then inactive ones as padding."""
@@ -721,6 +725,11 @@ class GenerationState:
         stats.row_steps = torch.tensor(self.per_row["steps"])
         stats.first_step = torch.tensor(self.per_row["first_step"])
         return torch.cat([input_ids, self.out[: self.batch, :new]], dim=1)
+
+
+def _most_held(counts: list[int], slots: list[int]) -> int:
+    """The most columns any of ``slots`` holds in a cache (its columns after compaction)."""
+    return max(counts[slot] for slot in slots)
 
 
 __all__ = [

@@ -130,6 +130,8 @@ def selector_grid(
     Raises:
         ValueError: unknown selector name or estimator, an estimator for a selector that takes
             none, empty or negative grids, a :data:`GOODPUT` budget that no selector has.
+        TypeError: a selector whose constructor the default
+            :meth:`~specselect.selection.Selector.grid_kwargs` cannot configure by name.
     """
     for grid_name, grid, minimum in (("k", ks, 1), ("extra", extras, 0)):
         for value in grid:
