@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -305,12 +306,7 @@ def _warn_ignored_sampling_arguments(overrides: dict[str, Any]) -> None:
     caller's or the model's, were validated (and warned about) by transformers as they were
     merged.
     """
-    defaults = GenerationConfig._get_default_generation_params()
-    ignored = [
-        f"{field}={overrides[field]!r}"
-        for field in _SAMPLING_ARGUMENTS
-        if overrides.get(field) is not None and overrides[field] != defaults.get(field)
-    ]
+    ignored = _non_default(_SAMPLING_ARGUMENTS, overrides.get)
     if ignored:
         verb = "applies" if len(ignored) == 1 else "apply"
         warnings.warn(
@@ -322,19 +318,24 @@ def _warn_ignored_sampling_arguments(overrides: dict[str, Any]) -> None:
         )
 
 
+def _non_default(fields: tuple[str, ...], value_of: Callable[[str], Any]) -> list[str]:
+    """``field=value`` for each of ``fields`` set (not ``None``) to other than transformers'
+    global default."""
+    defaults = GenerationConfig._get_default_generation_params()
+    return [
+        f"{field}={value!r}"
+        for field in fields
+        if (value := value_of(field)) is not None and value != defaults.get(field)
+    ]
+
+
 def _warn_ignored_speculation_settings(generation_config: GenerationConfig | None) -> None:
     """Warn when the caller's config sets HF's own assisted-generation settings, which
     ``generate`` reads with an ``assistant_model`` and this loop does not (its selector
     decides)."""
     if generation_config is None:
         return
-    defaults = GenerationConfig._get_default_generation_params()
-    ignored = [
-        f"{field}={value!r}"
-        for field in _HF_SPECULATION
-        if (value := getattr(generation_config, field, None)) is not None
-        and value != defaults.get(field)
-    ]
+    ignored = _non_default(_HF_SPECULATION, lambda field: getattr(generation_config, field, None))
     if ignored:
         warnings.warn(
             f"generation_config sets HF's assisted-generation settings {', '.join(ignored)}, "
