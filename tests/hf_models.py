@@ -11,9 +11,13 @@ acceptance paths of the loop untested.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from transformers import (
+    CONFIG_MAPPING,
+    AutoConfig,
     AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
@@ -21,6 +25,7 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     OPTConfig,
+    PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
 )
@@ -29,7 +34,32 @@ PAD_ID = 0
 EOS_ID = 1
 BOS_ID = 2
 ARCHS = ("llama", "gpt2")  # rotary and learned absolute positions: the main test matrix
-MORE_ARCHS = ("qwen2", "mistral", "opt")  # checked more lightly
+#: Families built from transformers' own configs at the sizes of :func:`_family_config`, each
+#: for what it adds to what the loop relies on (see ``specselect.hf.kv``).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "gemma2": {},  # soft-capped logits and attention scores, alternating sliding windows
+    "gemma3_text": {},  # q/k norms, local and global rotary bases
+    "gemma4_text": {  # head sizes that differ per layer; the last layers reuse earlier KV
+        "num_hidden_layers": 6,
+        "layer_types": ["sliding_attention", "full_attention"] * 3,
+        "num_kv_shared_layers": 2,
+        "vocab_size_per_layer_input": 128,
+        "hidden_size_per_layer_input": 16,
+    },
+    "phi3": {},  # fused q/k/v projection
+    "qwen3": {},  # q/k norms
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "olmo2": {},  # norms after attention and MLP
+    "starcoder2": {},  # biases, a sliding window
+    "gpt_neox": {},  # partial rotary, parallel residual
+    "falcon": {"head_dim": None},  # multi-query attention, parallel attention and MLP
+    "stablelm": {},  # partial rotary
+    "cohere": {},  # scaled logits, parallel attention and MLP
+    "gpt_bigcode": {},  # multi-query attention, learned absolute positions
+    "bert": {"is_decoder": True},  # an encoder family, causal as a decoder
+}
+#: Checked more lightly: Qwen2, Mistral, OPT, and the families this transformers release has.
+MORE_ARCHS = ("qwen2", "mistral", "opt", *(f for f in FAMILIES if f in CONFIG_MAPPING))
 
 
 def tiny_model(
@@ -72,12 +102,18 @@ def tiny_model(
             **ids,
         )
         model = GPT2LMHeadModel(config)
+    elif arch in FAMILIES:
+        model = AutoModelForCausalLM.from_config(
+            _family_config(arch, vocab, hidden, layers, init_range, positions)
+        )
     elif arch in MORE_ARCHS:
         model = AutoModelForCausalLM.from_config(
             _more_config(arch, vocab, hidden, layers, init_range, positions)
         )
     else:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS + MORE_ARCHS}")
+    if not model._supports_sdpa:  # Gemma 2: soft-capped attention scores need eager
+        attn_implementation = "eager"
     model.set_attn_implementation(attn_implementation)
     return model.eval()
 
@@ -110,6 +146,32 @@ def _more_config(
         initializer_range=init_range,
         **ids,
     )
+
+
+def _family_config(
+    arch: str, vocab: int, hidden: int, layers: int, init_range: float, positions: int
+) -> PretrainedConfig:
+    """A small config of family ``arch`` (see ``FAMILIES``, where ``None`` leaves a size to the
+    config, which may derive it). Output embeddings are untied: tied
+    to a large initialiser, Gemma's scaled input embeddings make the model repeat its last
+    token forever, a run with nothing to reject."""
+    sizes = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden // 4,
+        "max_position_embeddings": positions,
+        "initializer_range": init_range,
+        "tie_word_embeddings": False,
+        "pad_token_id": PAD_ID,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": BOS_ID,
+    }
+    merged = {**sizes, **FAMILIES[arch]}
+    return AutoConfig.for_model(arch, **{k: v for k, v in merged.items() if v is not None})
 
 
 def noisy_copy(model: PreTrainedModel, noise: float, seed: int) -> PreTrainedModel:

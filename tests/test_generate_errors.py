@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 from transformers import (
+    BertLMHeadModel,
     GenerationConfig,
     GPT2Config,
     GPT2LMHeadModel,
@@ -134,6 +135,17 @@ def sliding_window_target(models) -> nn.Module:
     return model
 
 
+def bidirectional(models) -> nn.Module:
+    """BERT as its authors trained it (``is_decoder=False``), loaded as a causal LM: it passes
+    every static check, and its output differed from generate()'s without an error."""
+    config = tiny_model("bert", 0).config
+    config.is_decoder = False
+    return BertLMHeadModel(config).eval()
+
+
+BIDIRECTIONAL = r"is not a causal LM: its logits at a position change with the tokens after it"
+
+
 # (id, argument to replace, builder(models) -> value, exception, message pattern)
 CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
     ("mismatched eos", "draft", draft_with(eos_token_id=5), ValueError, "share a tokenizer"),
@@ -234,6 +246,8 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
         ValueError,
         "does not support a KV cache",
     ),
+    ("bidirectional target", "target", bidirectional, ValueError, BIDIRECTIONAL),
+    ("bidirectional draft", "draft", bidirectional, ValueError, BIDIRECTIONAL),
     (
         "model ignoring its KV cache",
         "draft",
@@ -357,6 +371,25 @@ def test_valid_defaults_run(models) -> None:
     """The baseline every error case modifies is itself valid."""
     out = call(models)
     assert out.sequences.shape == (4, 6 + 4)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_a_model_decoding_with_dropout_warns(models, dropout: float) -> None:
+    """Training mode with dropout makes greedy output random (generate's too): a model from
+    from_config, not from_pretrained, is in training mode. Its modes are left as they were."""
+    config = models[0].config.to_dict() | {"attention_dropout": dropout}
+    target = type(models[0])(type(models[0].config)(**config))
+    target.load_state_dict(models[0].state_dict())
+    target.train()
+    target.model.layers[0].eval()  # modes may differ between modules
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call(models, target=target)
+    warned = [w for w in caught if "target is in training mode with dropout" in str(w.message)]
+    assert len(warned) == (dropout > 0)
+    assert all(w.filename == __file__ for w in warned)
+    for name, module in target.named_modules():
+        assert module.training is not name.startswith("model.layers.0")
 
 
 def test_selector_with_negative_draft_length(models) -> None:

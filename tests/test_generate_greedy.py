@@ -426,9 +426,13 @@ def test_other_dtypes_and_eager_attention(dtype: torch.dtype, attn: str) -> None
         assert torch.equal(out.sequences, reference)
 
 
+@pytest.mark.parametrize(
+    "tree", [None, TreeSpec(depth=3, branch=2, width=2)], ids=["chain", "tree"]
+)
 @pytest.mark.parametrize("arch", MORE_ARCHS)
-def test_more_architectures(arch: str) -> None:
-    """Qwen2, Mistral (its sliding window is longer than the run) and OPT match generate() too."""
+def test_more_architectures(arch: str, tree: TreeSpec | None) -> None:
+    """Qwen2, Mistral (its sliding window is longer than the run), OPT and the families of
+    ``FAMILIES`` match generate() too, through accepted and rejected drafts alike."""
     target, draft = tiny_pair(arch, 0, noise=0.02)
     ids, mask = left_padded_prompts(BATCH, MIN_PROMPT, MAX_PROMPT, VOCAB, 0)
     reference = target.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[])
@@ -440,9 +444,12 @@ def test_more_architectures(arch: str) -> None:
         selector=build_selector("tetris"),
         max_new_tokens=24,
         eos_token_id=[],
+        tree=tree,
     )
     assert torch.equal(out.sequences, reference)
-    assert out.stats.totals.vsr > 0.3
+    totals = out.stats.totals
+    assert 0.3 < totals.vsr < 1.0, "every draft accepted, or almost none: a path went untested"
+    assert len(set(reference[:, MAX_PROMPT:].flatten().tolist())) > 3  # not one token on repeat
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ estimate is checked against what real small caches allocate.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import weakref
 from collections.abc import Callable, Iterator
@@ -55,12 +54,17 @@ def written_cache(model: nn.Module, static_span: bool = True) -> ModelCache:
 def test_cache_estimate_is_what_a_cache_allocates(arch: str, dtype: torch.dtype) -> None:
     """Every tensor a written cache holds, keys and values of every layer included: the
     estimate cannot drift from kv.py (Llama, Qwen2 and Mistral have fewer KV heads than query
-    heads; GPT-2 and OPT configs name their sizes differently)."""
+    heads; GPT-2 and OPT configs name their sizes differently; Falcon and GPTBigCode store one
+    KV head; Gemma 4's head sizes differ per layer, and its last layers store none)."""
     cache = written_cache(tiny_model(arch, 0).to(dtype))
     assert cache.kv.written()
-    own = [v for v in vars(cache).values() if isinstance(v, torch.Tensor)]  # flags, counts
-    tensors = [*cache.kv.buffers(), *own]
-    assert cache_bytes(cache.handle, SLOTS, CAPACITY) == sum(t.nbytes for t in tensors)
+    assert cache_bytes(cache.handle, SLOTS, CAPACITY) == held_bytes(cache)
+
+
+def held_bytes(cache: ModelCache) -> int:
+    """Every tensor ``cache`` holds: keys and values of every layer, flags and counts."""
+    own = [v for v in vars(cache).values() if isinstance(v, torch.Tensor)]
+    return sum(t.nbytes for t in [*cache.kv.buffers(), *own])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -73,13 +77,25 @@ def test_mask_estimate_is_the_mask_a_pass_hands_the_model(attn: str, dtype: torc
     assert mask_bytes(cache.handle, SLOTS, WIDTH, cache.kv.span) == mask.nbytes
 
 
-def test_without_head_sizes_the_estimate_leaves_keys_and_values_out() -> None:
-    """Quantized weights: the activations' dtype is unknown, so only the flags are counted
-    (still a lower bound)."""
-    handle = ModelHandle.of("target", tiny_model("llama", 0))
-    quantized = dataclasses.replace(handle, dtype=torch.int8)
-    assert cache_bytes(quantized, SLOTS, CAPACITY) < cache_bytes(handle, SLOTS, CAPACITY)
-    assert cache_bytes(quantized, SLOTS, CAPACITY) == SLOTS * CAPACITY + (SLOTS + 2) * 8
+def test_what_a_column_holds_is_measured_once_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured, not read from the config: this config claims 4 key/value heads where the
+    layers store 2, which an estimate from the config would believe. One pass per model: a
+    model outlives many calls."""
+    model = tiny_model("llama", 0)
+    model.config.num_key_value_heads = 4  # read by nothing that shapes the cache
+    held = held_bytes(written_cache(model))
+    passes = []
+    forward = ModelCache.forward
+
+    def counted(self: ModelCache, *args: Any, **kwargs: Any) -> torch.Tensor:
+        passes.append(self.capacity)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelCache, "forward", counted)
+    handle = ModelHandle.of("target", model)
+    assert cache_bytes(handle, SLOTS, CAPACITY) == held
+    assert cache_bytes(handle, 2 * SLOTS, CAPACITY) > held
+    assert passes == [1]  # one column, once
 
 
 def set_available(monkeypatch: pytest.MonkeyPatch, size: int | None) -> None:
@@ -169,10 +185,20 @@ def pair() -> tuple[nn.Module, nn.Module]:
 
 @pytest.fixture
 def forwards(pair: tuple[nn.Module, nn.Module]) -> Iterator[list[str]]:
-    """The names of the models whose forward ran, in order."""
+    """The names of the models whose forward ran with a cache of more than one column (the
+    work the memory check protects; a one-column cache is its own measuring pass, and the
+    causality check runs the models without a cache), in order."""
     ran: list[str] = []
+
+    def record(name: str, kwargs: dict[str, Any]) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None and cache.capacity > 1:
+            ran.append(name)
+
     hooks = [
-        model.register_forward_pre_hook(lambda *_, name=name: ran.append(name))
+        model.register_forward_pre_hook(
+            lambda _, args, kwargs, name=name: record(name, kwargs), with_kwargs=True
+        )
         for name, model in zip(("target", "draft"), pair, strict=True)
     ]
     yield ran
@@ -213,7 +239,8 @@ def test_caches_beyond_the_memory_are_refused_before_any_forward(
     asked: str,
     available: int | None,
 ) -> None:
-    """Refused when short, before either model runs; run when the memory is there or unknown."""
+    """Refused when short, before either model runs with its caches; run when the memory is
+    there or unknown."""
     set_available(monkeypatch, available)
     if available == 1 << 10:
         says = asked + r".* needs at least [\d.]+ GiB on cpu .* lower"

@@ -9,19 +9,24 @@ tokens masked out of attention) and passes explicit position ids. That only work
 * its attention kernel takes arbitrary masks: ``sdpa`` and ``eager`` do; FlashAttention kernels
   only know left/right padding and causal masks, so holes (and, for trees, 4D masks) are
   impossible there;
-* every layer is a full-attention layer: a sliding window counts cache *columns*, and with holes
-  columns are not tokens, so a windowed layer would see a different context than ``generate``
-  once the cache is longer than the window; recurrent (linear-attention, Mamba) layers fold
-  rejected tokens into their state, which no mask can undo;
+* every layer is an attention layer, full or sliding-window: a sliding window counts cache
+  *columns*, and with holes columns are not tokens, so a row must stay within the window
+  (:func:`check_context_fits`); recurrent (linear-attention, Mamba) and convolutional layers
+  fold rejected tokens into their state, which no mask can undo, and chunked or compressed
+  attention is not what the loop's masks express;
+* the model is causal (:func:`check_causal`): a position's logits do not depend on the tokens
+  after it, or one pass over a block of drafts could not equal decoding them one by one;
 * both models share the tokenizer: the same special token ids and the same vocabulary, except
   for padding rows at the end of an embedding matrix (checked against ``len(tokenizer)``).
 
-Every failure is a ``ValueError``/``TypeError`` raised before any forward pass.
+Every failure is a ``ValueError``/``TypeError`` raised before any generation work: the static
+checks first, then the causality check, which runs each model on a few tokens.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 from collections.abc import Sized
 from dataclasses import dataclass, fields, replace
@@ -92,8 +97,10 @@ def check_causal_lm(name: str, model: object) -> nn.Module:
     unsupported = sorted(kinds - {"full_attention", "sliding_attention"})
     if unsupported:
         raise ValueError(
-            f"{name} has layers of type {', '.join(unsupported)}; only attention layers can skip "
-            "rejected tokens by masking (recurrent states cannot be rolled back)"
+            f"{name} has layers of type {', '.join(unsupported)}; speculative_generate supports "
+            "full and sliding-window attention layers only: they skip rejected tokens by "
+            "masking, while a recurrent or convolutional state cannot be rolled back, and other "
+            "attention patterns (chunked, compressed, indexed) are not what its masks express"
         )
     if any(p.is_meta for p in model.parameters()):  # it would fail deep inside a first pass
         raise ValueError(
@@ -102,6 +109,77 @@ def check_causal_lm(name: str, model: object) -> nn.Module:
             "support); load its weights onto one device first"
         )
     return model
+
+
+#: Models :func:`check_causal` found causal: its probe runs two forward passes, once per model.
+_CAUSAL: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_PROBE_TOKENS = 8  # a bidirectional model's first position sees them all
+
+
+def check_causal(name: str, handle: ModelHandle) -> None:
+    """Raise unless the logits of ``handle``'s model at a position ignore the tokens after it.
+
+    A step verifies a block of tokens in one pass and keeps every position's logits, which
+    equals decoding them one at a time only for a causal LM. A bidirectional encoder loaded as
+    a causal LM (BERT-style ``...ForCausalLM`` or ``...LMHeadModel`` classes with
+    ``config.is_decoder=False``) passes every static check, and neither configs nor modules
+    say so alike across families; under the loop's causal masks it computes what ``generate``
+    does not, and the output differed silently. So the model runs, without a cache and with
+    its own masks, on a few tokens and on the first alone, and the first position's logits
+    must agree up to rounding in the model's dtype: a change above ``max(1e-4, 8 * eps)`` of
+    the largest logit (rounding moved them by about 1e-6 of it in float32 on every family of
+    the tests; a small random BERT by 1e-2). In evaluation mode, since dropout would tell the
+    runs apart; the modules' modes are restored after. Once per model object.
+    """
+    model = handle.model
+    if model in _CAUSAL:
+        return
+    rows = input_rows(model)
+    ids = torch.linspace(rows // 3, rows - 1, _PROBE_TOKENS, device=handle.device).long()
+    ids = ids.unsqueeze(0)  # [1, N] token ids away from the special ones, which come first
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            block = model(input_ids=ids, use_cache=False)  # no mask: nothing hidden
+            first = model(input_ids=ids[:, :1], use_cache=False)
+    finally:
+        for module, training in modes:
+            module.training = training
+    alone = first.logits[0, 0].float()  # [V]
+    moved = (block.logits[0, 0].float() - alone).abs().max()
+    change, scale = torch.stack([moved, alone.abs().max()]).tolist()  # one host read
+    eps = torch.finfo(handle.dtype).eps if handle.dtype.is_floating_point else 1e-2
+    if change > max(1e-4, 8 * eps) * scale:
+        raise ValueError(
+            f"{name} ({type(model).__name__}) is not a causal LM: its logits at a position "
+            f"change with the tokens after it (by up to {change:.3g}, in logits up to "
+            f"{scale:.3g}), so verifying a block of tokens in one pass cannot equal generating "
+            "them one by one. A BERT-style model used as a causal LM needs "
+            "config.is_decoder=True (e.g. from_pretrained(..., is_decoder=True))"
+        )
+    _CAUSAL.add(model)
+
+
+def warn_dropout(name: str, model: nn.Module) -> None:
+    """Warn if ``model`` would decode with dropout (a module in training mode with a dropout
+    probability above 0, in a module or its config): its output is then random, so no greedy
+    run repeats, and neither ``generate``'s output nor this loop's is the model's."""
+    config = text_config(model)
+    rates = [
+        value
+        for key, value in vars(config).items()
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, (int, float))
+    ]
+    rates += [m.p for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    if model.training and any(rate > 0 for rate in rates):
+        warnings.warn(
+            f"{name} is in training mode with dropout, so its output is random (greedy "
+            f"decoding does not repeat): call {name}.eval() first (from_pretrained returns "
+            "models in evaluation mode; from_config does not)",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def attention_implementation(model: nn.Module) -> str:
@@ -177,14 +255,24 @@ def input_device(model: nn.Module) -> torch.device:
     With accelerate's ``device_map`` the layers may sit on several devices; the embedding is the
     first one, and the rest of the model moves activations itself.
     """
+    weight = _input_embedding(model)
+    return weight.device if weight is not None else next(model.parameters()).device
+
+
+def input_rows(model: nn.Module) -> int:
+    """Token ids ``model`` embeds: the rows of its input embedding, else its vocabulary."""
+    weight = _input_embedding(model)
+    return int(weight.shape[0]) if weight is not None else int(text_config(model).vocab_size)
+
+
+def _input_embedding(model: nn.Module) -> torch.Tensor | None:
+    """The weight of ``model``'s input embedding, if it has one."""
     # Optional methods are read with getattr: torch types unknown Module attributes as
     # ``Tensor | Module``, and a model that is not a PreTrainedModel may lack them.
     get_embeddings = getattr(model, "get_input_embeddings", None)
     embeddings = get_embeddings() if get_embeddings is not None else None
     weight = getattr(embeddings, "weight", None)
-    if isinstance(weight, torch.Tensor):
-        return weight.device
-    return next(model.parameters()).device
+    return weight if isinstance(weight, torch.Tensor) else None
 
 
 def logits_width(model: nn.Module) -> int:
@@ -319,8 +407,12 @@ def cache_argument(model: nn.Module) -> str:
 
 
 def num_layers(model: nn.Module) -> int:
-    """Decoder layers of ``model`` (``num_hidden_layers`` of its text config)."""
-    return int(text_config(model).num_hidden_layers)
+    """Decoder layers of ``model`` that keep keys and values: ``num_hidden_layers`` of its
+    text config, less its trailing layers that attend over an earlier layer's
+    (``num_kv_shared_layers``, as in Gemma 3n and Gemma 4), which write no cache of their own."""
+    config = text_config(model)
+    shared = getattr(config, "num_kv_shared_layers", None) or 0
+    return int(config.num_hidden_layers) - int(shared)
 
 
 def text_config(model: nn.Module) -> Any:

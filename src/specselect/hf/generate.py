@@ -66,7 +66,14 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from specselect._checks import check_int, check_tensor, trusted_values
-from specselect.hf.compat import ModelHandle, check_context_fits, check_pair, graph_obstacle
+from specselect.hf.compat import (
+    ModelHandle,
+    check_causal,
+    check_context_fits,
+    check_pair,
+    graph_obstacle,
+    warn_dropout,
+)
 from specselect.hf.draft import ChainDrafter
 from specselect.hf.graphs import (
     Mode,
@@ -240,6 +247,10 @@ def speculative_generate(
     devices = [t_handle.device] + ([d_handle.device] if d_handle is not None else [])
     generators = split_generator(generator, *devices)
     mode = graph_mode(cuda_graphs, t_handle, d_handle, generators.values())
+    for name, handle in (("target", t_handle), ("draft", d_handle)):
+        if handle is not None:  # the last check: it runs the model
+            warn_dropout(name, handle.model)
+            check_causal(name, handle)
     loop = _Loop(
         t_handle,
         d_handle,

@@ -34,9 +34,9 @@ What this relies on in transformers: a model's attention layers call
 ``cache.update(key_states, value_states, layer_idx)`` (the cache is ``forward``'s ``cache``
 argument, ``past_key_values`` before 5.24) with ``[B, heads, W, head_dim]`` states and attend
 over what it returns; a 4D ``attention_mask`` is used as given (``sdpa`` takes
-it as a bool mask, ``eager`` as an additive one); ``position_ids`` are used as given. Both were
-checked on Llama, Qwen2, Mistral, GPT-2 and OPT (greedy output equal to ``generate``'s, in the
-tests).
+it as a bool mask, ``eager`` as an additive one); ``position_ids`` are used as given. All three
+are checked on every family the tests build (greedy output equal to ``generate``'s); layers
+that reuse an earlier layer's keys and values (``num_kv_shared_layers``) get no cache layer.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ values per layer, allocated by the first forward pass). Nothing else bounds thei
 models have no position table, so a huge ``max_new_tokens``, prompt, batch or profiling
 context would otherwise end in an allocator error in the middle of a prefill, or in the
 operating system's OOM killer. :func:`check_memory` refuses such a call up front, with what was
-asked and what to lower.
+asked and what to lower; all it runs first is one pass of one token per model, into a cache of
+one column, which tells what a column holds (:func:`kv_column_bytes`).
 
 The estimate is a *lower bound*: it counts the caches and the largest 4D attention mask a pass
 hands the model, not activations, logits or an attention kernel's workspace (the weights are
@@ -18,48 +19,52 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import torch
 
-from specselect.hf.compat import ModelHandle, text_config
+from specselect.hf.compat import ModelHandle
+from specselect.hf.kv import ModelCache
 
 _GIB = 1 << 30
+#: :func:`kv_column_bytes` per model and activation dtype (a model outlives many calls).
+_COLUMN_BYTES: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.dtype, int]] = (
+    weakref.WeakKeyDictionary()
+)
 #: Per-row bookkeeping of a cache besides its keys and values: ``valid`` (a bool per column)
 #: and ``count`` (an int64 per row), plus the int64 scalars ``pos`` and ``mark``.
 _FLAG_BYTES, _INT_BYTES, _SCALARS = 1, 8, 2
 
 
-def kv_column_bytes(handle: ModelHandle) -> int | None:
-    """Bytes of one cache column of one row over all layers (keys and values), from the config.
+def kv_column_bytes(handle: ModelHandle) -> int:
+    """Bytes of one cache column of one row over all layers (keys and values), as the model
+    writes them into a :class:`~specselect.hf.kv.ModelCache`: measured once per model and
+    dtype, with a pass of one token into a cache of one column.
 
-    Heads are the key/value heads (``num_key_value_heads``, fewer than the query heads under
-    grouped-query attention, else ``num_attention_heads``, which GPT-2-style configs map from
-    ``n_head``); the head size is ``head_dim`` where the config sets it, else ``hidden_size //
-    num_attention_heads``. ``None`` where the config says neither, or the weights are not
-    floating point (quantized: the activations' dtype is unknown).
+    Measured, not read from the config, because configs do not say it alike: multi-query
+    attention is a flag in Falcon's and GPTBigCode's (one key/value head, whatever
+    ``num_attention_heads`` says), head sizes differ per layer in Gemma 4's, layers that reuse
+    an earlier layer's keys and values store none, and quantized weights do not give the
+    activations' dtype. An estimate read from configs overcounted the multi-query ones by
+    their number of heads, and would have refused calls that fit.
     """
-    config = text_config(handle.model)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None)
-    hidden = getattr(config, "hidden_size", None)
-    if head_dim is None and heads and hidden:
-        head_dim = hidden // heads
-    if not (kv_heads and head_dim) or not handle.dtype.is_floating_point:
-        return None
-    return handle.num_layers * 2 * int(kv_heads) * int(head_dim) * handle.dtype.itemsize
+    known = _COLUMN_BYTES.setdefault(handle.model, {})
+    if handle.dtype not in known:
+        cache = ModelCache(handle, 1, 1, static_span=False)
+        cache.reserve(1)
+        token = torch.zeros(1, 1, dtype=torch.int64, device=handle.device)  # [1, 1]
+        with torch.no_grad():
+            cache.forward(token, token.new_ones(1, 1, dtype=torch.bool), last_only=True)
+        known[handle.dtype] = sum(t.nbytes for t in cache.kv.buffers())
+    return known[handle.dtype]
 
 
 def cache_bytes(handle: ModelHandle, slots: int, capacity: int) -> int:
-    """Bytes ``ModelCache(handle, slots, capacity)`` holds once a pass has written it.
-
-    Leaves the keys and values out where :func:`kv_column_bytes` cannot tell their size (the
-    estimate stays a lower bound).
-    """
-    per_column = (kv_column_bytes(handle) or 0) + _FLAG_BYTES
+    """Bytes ``ModelCache(handle, slots, capacity)`` holds once a pass has written it."""
+    per_column = kv_column_bytes(handle) + _FLAG_BYTES
     return slots * capacity * per_column + (slots + _SCALARS) * _INT_BYTES
 
 
