@@ -46,6 +46,21 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "vocab_size_per_layer_input": 128,
         "hidden_size_per_layer_input": 16,
     },
+    "deepseek_v3": {  # multi-head latent attention: keys and values of different sizes
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "head_dim": None,  # the rotary part's size is qk_rope_head_dim
+    },
     "phi3": {},  # fused q/k/v projection
     "qwen3": {},  # q/k norms
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},

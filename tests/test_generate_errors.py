@@ -30,6 +30,7 @@ from hf_models import (
 )
 from specselect import make_selector
 from specselect.hf import TreeSpec, speculative_generate
+from specselect.hf.compat import ModelHandle, check_causal
 from specselect.replay import OracleSelector
 from specselect.selection import Selection
 
@@ -371,6 +372,17 @@ def test_valid_defaults_run(models) -> None:
     """The baseline every error case modifies is itself valid."""
     out = call(models)
     assert out.sequences.shape == (4, 6 + 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_bidirectional_model_is_refused_in_every_dtype(models, dtype: torch.dtype) -> None:
+    """Rounding cannot hide it: the check compares two rows of one pass, not passes of two
+    lengths (whose kernels differ, so that a tolerance for rounding let bfloat16 through)."""
+    model = bidirectional(models).to(dtype)
+    with pytest.raises(ValueError, match=BIDIRECTIONAL):
+        check_causal("target", ModelHandle.of("target", model))
+    causal = copy.deepcopy(models[0]).to(dtype)
+    check_causal("target", ModelHandle.of("target", causal))
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.5])

@@ -96,6 +96,9 @@ def test_what_a_column_holds_is_measured_once_per_model(monkeypatch: pytest.Monk
     assert cache_bytes(handle, SLOTS, CAPACITY) == held
     assert cache_bytes(handle, 2 * SLOTS, CAPACITY) > held
     assert passes == [1]  # one column, once
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # keys and values in bfloat16
+        assert cache_bytes(handle, SLOTS, CAPACITY) < held
+    assert passes == [1, 1]
 
 
 def set_available(monkeypatch: pytest.MonkeyPatch, size: int | None) -> None:
@@ -231,7 +234,7 @@ CALLERS: list[tuple[Callable[[nn.Module, nn.Module], object], str]] = [
 @pytest.mark.usefixtures("planted_timings")  # profiling fits its timings: noise can be refused
 @pytest.mark.parametrize("available", [1 << 10, None, 1 << 40], ids=["short", "unknown", "plenty"])
 @pytest.mark.parametrize(("caller", "asked"), CALLERS, ids=["generate", "profile"])
-def test_caches_beyond_the_memory_are_refused_before_any_forward(
+def test_caches_beyond_the_memory_are_refused_before_any_generation_pass(
     monkeypatch: pytest.MonkeyPatch,
     pair: tuple[nn.Module, nn.Module],
     forwards: list[str],

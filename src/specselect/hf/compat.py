@@ -26,6 +26,7 @@ checks first, then the causality check, which runs each model on a few tokens.
 from __future__ import annotations
 
 import inspect
+import threading
 import warnings
 import weakref
 from collections.abc import Sized
@@ -33,7 +34,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, cast
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 #: Attention implementations that take a custom (2D with holes, or 4D) attention mask.
 MASKABLE_ATTENTION = ("sdpa", "eager")
@@ -111,9 +112,11 @@ def check_causal_lm(name: str, model: object) -> nn.Module:
     return model
 
 
-#: Models :func:`check_causal` found causal: its probe runs two forward passes, once per model.
+#: Models :func:`check_causal` found causal: its probe runs a forward pass, once per model.
 _CAUSAL: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_PROBE_LOCK = threading.Lock()  # the probe switches a model's modes and back
 _PROBE_TOKENS = 8  # a bidirectional model's first position sees them all
+_PROBE_TOLERANCE = 1e-3  # of the largest logit; a causal model's two rows agree exactly
 
 
 def check_causal(name: str, handle: ModelHandle) -> None:
@@ -125,54 +128,71 @@ def check_causal(name: str, handle: ModelHandle) -> None:
     ``config.is_decoder=False``) passes every static check, and neither configs nor modules
     say so alike across families; under the loop's causal masks it computes what ``generate``
     does not, and the output differed silently. So the model runs, without a cache and with
-    its own masks, on a few tokens and on the first alone, and the first position's logits
-    must agree up to rounding in the model's dtype: a change above ``max(1e-4, 8 * eps)`` of
-    the largest logit (rounding moved them by about 1e-6 of it in float32 on every family of
-    the tests; a small random BERT by 1e-2). In evaluation mode, since dropout would tell the
-    runs apart; the modules' modes are restored after. Once per model object.
+    its own masks, on two rows that share their first token and differ in the rest: a causal
+    model's first logits are the same in both. One pass of one shape, so both rows go through
+    the same kernels whatever the dtype, autocast or TF32 setting (rounding cannot tell them
+    apart: on every family of the tests they agree exactly, while a small random BERT moves
+    them by 1.5e-2 of its largest logit, above the tolerance of 1e-3). Non-finite logits must
+    be the same in both rows. In evaluation mode, since dropout would tell the rows apart; the
+    modules' modes are restored after. Once per model object: a model changed afterwards (its
+    ``config.is_decoder`` set) is not checked again.
     """
     model = handle.model
-    if model in _CAUSAL:
-        return
+    with _PROBE_LOCK:
+        if model in _CAUSAL:
+            return
+        first, other = _probe_rows(model, handle)
+        finite = first.isfinite() & other.isfinite()  # [V]
+        same = torch.where(finite, True, (first == other) | (first.isnan() & other.isnan()))
+        change = torch.where(finite, (first - other).abs(), 0).max()
+        scale = torch.where(finite, first.abs(), 0).max()
+        moved, largest, agree = torch.stack([change, scale, same.all()]).tolist()  # one read
+        if not agree or moved > _PROBE_TOLERANCE * largest:
+            raise ValueError(
+                f"{name} ({type(model).__name__}) is not a causal LM: its logits at a position "
+                f"change with the tokens after it (by up to {moved:.3g}, in logits up to "
+                f"{largest:.3g}), so verifying a block of tokens in one pass cannot equal "
+                "generating them one by one. A BERT-style model used as a causal LM needs "
+                "config.is_decoder=True (e.g. from_pretrained(..., is_decoder=True))"
+            )
+        _CAUSAL.add(model)
+
+
+def _probe_rows(model: nn.Module, handle: ModelHandle) -> tuple[Tensor, Tensor]:
+    """``([V], [V])`` float32: the first position's logits of two rows of ``_PROBE_TOKENS``
+    tokens that share only their first token, in one pass in evaluation mode."""
     rows = input_rows(model)
     ids = torch.linspace(rows // 3, rows - 1, _PROBE_TOKENS, device=handle.device).long()
-    ids = ids.unsqueeze(0)  # [1, N] token ids away from the special ones, which come first
+    ids = torch.stack([ids, torch.cat([ids[:1], ids[1:].flip(0)])])  # [2, N]
+    keep = {"logits_to_keep": 0} if handle.keeps_logits else {}  # 0: every position
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
         with torch.no_grad():
-            block = model(input_ids=ids, use_cache=False)  # no mask: nothing hidden
-            first = model(input_ids=ids[:, :1], use_cache=False)
+            logits = model(input_ids=ids, use_cache=False, **keep).logits  # no mask: all seen
     finally:
         for module, training in modes:
             module.training = training
-    alone = first.logits[0, 0].float()  # [V]
-    moved = (block.logits[0, 0].float() - alone).abs().max()
-    change, scale = torch.stack([moved, alone.abs().max()]).tolist()  # one host read
-    eps = torch.finfo(handle.dtype).eps if handle.dtype.is_floating_point else 1e-2
-    if change > max(1e-4, 8 * eps) * scale:
-        raise ValueError(
-            f"{name} ({type(model).__name__}) is not a causal LM: its logits at a position "
-            f"change with the tokens after it (by up to {change:.3g}, in logits up to "
-            f"{scale:.3g}), so verifying a block of tokens in one pass cannot equal generating "
-            "them one by one. A BERT-style model used as a causal LM needs "
-            "config.is_decoder=True (e.g. from_pretrained(..., is_decoder=True))"
-        )
-    _CAUSAL.add(model)
+    return logits[0, 0].float(), logits[1, 0].float()
 
 
 def warn_dropout(name: str, model: nn.Module) -> None:
-    """Warn if ``model`` would decode with dropout (a module in training mode with a dropout
-    probability above 0, in a module or its config): its output is then random, so no greedy
-    run repeats, and neither ``generate``'s output nor this loop's is the model's."""
+    """Warn if ``model`` would decode with dropout: a dropout module in training mode with a
+    probability above 0, or a dropout rate above 0 in its config (which attention layers apply
+    functionally, in training mode) with a module in training mode. Its output is then
+    random, so no greedy run repeats, and neither ``generate``'s output nor this loop's is the
+    model's."""
+    training = [module for module in model.modules() if module.training]
+    if not training:
+        return
     config = text_config(model)
     rates = [
         value
         for key, value in vars(config).items()
         if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, (int, float))
     ]
-    rates += [m.p for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
-    if model.training and any(rate > 0 for rate in rates):
+    dropping = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in training)
+    if dropping or any(rate > 0 for rate in rates):
         warnings.warn(
             f"{name} is in training mode with dropout, so its output is random (greedy "
             f"decoding does not repeat): call {name}.eval() first (from_pretrained returns "

@@ -248,7 +248,7 @@ def speculative_generate(
     generators = split_generator(generator, *devices)
     mode = graph_mode(cuda_graphs, t_handle, d_handle, generators.values())
     for name, handle in (("target", t_handle), ("draft", d_handle)):
-        if handle is not None:  # the last check: it runs the model
+        if handle is not None:  # after the static checks: it runs the model
             warn_dropout(name, handle.model)
             check_causal(name, handle)
     loop = _Loop(

@@ -30,10 +30,11 @@ from specselect.hf.compat import ModelHandle
 from specselect.hf.kv import ModelCache
 
 _GIB = 1 << 30
-#: :func:`kv_column_bytes` per model and activation dtype (a model outlives many calls).
-_COLUMN_BYTES: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.dtype, int]] = (
-    weakref.WeakKeyDictionary()
-)
+#: :func:`kv_column_bytes` per model, weight dtype and autocast dtype (a model outlives many
+#: calls).
+_COLUMN_BYTES: weakref.WeakKeyDictionary[
+    torch.nn.Module, dict[tuple[torch.dtype, torch.dtype | None], int]
+] = weakref.WeakKeyDictionary()
 #: Per-row bookkeeping of a cache besides its keys and values: ``valid`` (a bool per column)
 #: and ``count`` (an int64 per row), plus the int64 scalars ``pos`` and ``mark``.
 _FLAG_BYTES, _INT_BYTES, _SCALARS = 1, 8, 2
@@ -41,8 +42,8 @@ _FLAG_BYTES, _INT_BYTES, _SCALARS = 1, 8, 2
 
 def kv_column_bytes(handle: ModelHandle) -> int:
     """Bytes of one cache column of one row over all layers (keys and values), as the model
-    writes them into a :class:`~specselect.hf.kv.ModelCache`: measured once per model and
-    dtype, with a pass of one token into a cache of one column.
+    writes them into a :class:`~specselect.hf.kv.ModelCache`: measured once per model, dtype
+    and autocast dtype, with a pass of one token into a cache of one column.
 
     Measured, not read from the config, because configs do not say it alike: multi-query
     attention is a flag in Falcon's and GPTBigCode's (one key/value head, whatever
@@ -52,14 +53,17 @@ def kv_column_bytes(handle: ModelHandle) -> int:
     their number of heads, and would have refused calls that fit.
     """
     known = _COLUMN_BYTES.setdefault(handle.model, {})
-    if handle.dtype not in known:
+    device = handle.device.type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    key = (handle.dtype, autocast)  # what the keys and values come out in
+    if key not in known:
         cache = ModelCache(handle, 1, 1, static_span=False)
         cache.reserve(1)
         token = torch.zeros(1, 1, dtype=torch.int64, device=handle.device)  # [1, 1]
         with torch.no_grad():
             cache.forward(token, token.new_ones(1, 1, dtype=torch.bool), last_only=True)
-        known[handle.dtype] = sum(t.nbytes for t in cache.kv.buffers())
-    return known[handle.dtype]
+        known[key] = sum(t.nbytes for t in cache.kv.buffers())
+    return known[key]
 
 
 def cache_bytes(handle: ModelHandle, slots: int, capacity: int) -> int:
@@ -107,10 +111,12 @@ def check_memory(needs: Sequence[CacheNeed], asked: str, lower: str) -> None:
         if len(devices) == 1:
             by_device.setdefault(devices.pop(), []).append(need)
     for device, group in by_device.items():
+        available = available_bytes(device)
+        if available is None:  # nothing to check against: no pass to measure the caches
+            continue
         caches = sum(cache_bytes(n.handle, n.slots, n.capacity) for n in group)
         mask = max(mask_bytes(n.handle, n.slots, n.width, n.span) for n in group)
-        available = available_bytes(device)
-        if available is not None and caches + mask > available:
+        if caches + mask > available:
             # Memory that garbage in reference cycles holds is free to take: collect it and look
             # again before refusing.
             gc.collect()
