@@ -1,0 +1,152 @@
+"""Run every causal LM class of the installed transformers through speculative_generate.
+
+For each model type that ``AutoModelForCausalLM`` knows, the sweep builds a small random model
+(the sizes of ``SIZES``; keys a config does not take are ignored or kept as attributes) and a
+noisy copy of it as the draft, and compares greedy output with ``generate`` for fixed k = 3,
+TETRIS and a draft tree, three left-padded prompts, 24 new tokens. Each type runs in a process
+of its own (some builds need gigabytes, or crash). Statuses:
+
+* ``match``: all three equal ``generate``'s output;
+* ``refused``: ``speculative_generate`` raised a ``ValueError``/``TypeError`` (the reason is
+  printed): a model the loop cannot drive, refused before any generation work;
+* ``DIFFERS``: output differs from ``generate``'s without an error (a bug to fix);
+* ``ERROR``: ``speculative_generate`` raised anything else (a bug to fix, or a model that
+  fails outside the loop too);
+* ``not built`` / ``no generate`` / ``too big``: the generic sizes do not fit this type, or
+  its own ``generate`` failed on them: not a verdict on the loop.
+
+    python scripts/architecture_sweep.py                 # every type, a markdown table
+    python scripts/architecture_sweep.py llama bert      # some types
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import warnings
+from collections import Counter
+
+SIZES = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "d_model": 64,
+    "ffn_dim": 128,
+    "max_position_embeddings": 512,
+    "n_positions": 512,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "initializer_range": 0.25,
+    "init_std": 0.25,
+    "tie_word_embeddings": False,
+}
+MAX_PARAMETERS = 30_000_000
+TIMEOUT_S = 300
+
+
+def sweep_one(model_type: str) -> tuple[str, str]:
+    """``(status, detail)`` of one model type (see the module doc)."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specselect import FixedWindowSelector, TetrisSelector, speculative_generate
+    from specselect.hf import TreeSpec
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    try:
+        config = AutoConfig.for_model(model_type, **SIZES)
+        torch.manual_seed(0)
+        target = AutoModelForCausalLM.from_config(config).eval()
+    except Exception as error:  # any build failure is reported, not raised
+        return "not built", f"{type(error).__name__}: {error}"
+    if sum(p.numel() for p in target.parameters()) > MAX_PARAMETERS:
+        return "too big", "the generic sizes do not apply to this config"
+    if getattr(target, "_supports_sdpa", False):
+        target.set_attn_implementation("sdpa")
+    draft = type(target)(target.config).eval()
+    draft.load_state_dict(target.state_dict())
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for weight in draft.parameters():
+            scale = weight.std() if weight.numel() > 1 else weight.abs()
+            noise = torch.randn(weight.shape, generator=generator, dtype=weight.dtype)
+            weight.add_(noise * 0.15 * scale)
+    lengths = torch.tensor([4, 9, 6])
+    ids = torch.randint(3, 128, (3, 9), generator=generator)
+    mask = (torch.arange(9) >= 9 - lengths.unsqueeze(1)).long()  # [3, 9] left padding
+    ids = ids * mask
+    try:
+        with torch.no_grad():
+            reference = target.generate(
+                ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None
+            )
+    except Exception as error:
+        return "no generate", f"{type(error).__name__}: {error}"
+    runs = {
+        "fixed": (FixedWindowSelector(3), None),
+        "tetris": (TetrisSelector(3, 2), None),
+        "tree": (TetrisSelector(3, 2), TreeSpec(depth=3, branch=2, width=2)),
+    }
+    differs = []
+    for name, (selector, tree) in runs.items():
+        try:
+            out = speculative_generate(
+                target, draft, ids, mask, selector=selector, max_new_tokens=24,
+                eos_token_id=None, tree=tree,
+            )  # fmt: skip
+        except (ValueError, TypeError) as error:
+            return "refused", str(error)
+        except Exception as error:
+            return "ERROR", f"{type(error).__name__}: {error}"
+        if not torch.equal(out.sequences, reference):
+            differs.append(name)
+    return ("DIFFERS", ", ".join(differs)) if differs else ("match", "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("types", nargs="*", help="model types (default: every causal LM type)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process's model type
+    args = parser.parse_args()
+    if args.one:
+        status, detail = sweep_one(args.one)
+        print(f"{status}\t{' '.join(detail.split())[:200]}")
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    types = args.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    counts: Counter[str] = Counter()
+    print("| model type | status | detail |\n| --- | --- | --- |")
+    for model_type in types:
+        try:
+            child = subprocess.run(
+                [sys.executable, __file__, "--one", model_type],
+                capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+            )  # fmt: skip
+            lines = child.stdout.strip().splitlines()
+            status, _, detail = (lines[-1] if lines else "crashed\t").partition("\t")
+        except subprocess.TimeoutExpired:
+            status, detail = "timed out", f"over {TIMEOUT_S} s"
+        counts[status] += 1
+        print(f"| {model_type} | {status} | {detail.replace('|', '/')} |", flush=True)
+    print("\n" + ", ".join(f"{status}: {n}" for status, n in counts.most_common()))
+
+
+if __name__ == "__main__":
+    main()
