@@ -50,6 +50,22 @@ class NoCacheLM(nn.Module):
         return self.head(self.embed(input_ids))
 
 
+class PeftLike(nn.Module):
+    """PEFT's wrapper as the loop sees it: a module with ``get_base_model`` whose forward takes
+    neither positions nor a cache (peft is not a dependency of the tests)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.base_model = model
+        self.config = model.config
+
+    def get_base_model(self) -> nn.Module:
+        return self.base_model
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        return self.base_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
 class IgnoresCacheLM(NoCacheLM):
     """A causal LM that accepts ``past_key_values`` but never writes to it."""
 
@@ -246,6 +262,13 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
         lambda m: NoCacheLM(m[0].config),
         ValueError,
         "does not support a KV cache",
+    ),
+    (
+        "PEFT wrapper",
+        "target",
+        lambda m: PeftLike(m[0]),
+        TypeError,
+        r"target is a PEFT wrapper \(PeftLike\); pass target.get_base_model\(\)",
     ),
     ("bidirectional target", "target", bidirectional, ValueError, BIDIRECTIONAL),
     ("bidirectional draft", "draft", bidirectional, ValueError, BIDIRECTIONAL),

@@ -60,6 +60,13 @@ def check_causal_lm(name: str, model: object) -> nn.Module:
             f"({name}._orig_mod): speculative_generate drives its forward through its own "
             "caches and masks (cuda_graphs=True captures its passes on a GPU)"
         )
+    if isinstance(model, nn.Module) and callable(getattr(model, "get_base_model", None)):
+        raise TypeError(  # PEFT's wrapper: its forward takes neither positions nor a cache
+            f"{name} is a PEFT wrapper ({type(model).__name__}); pass {name}.get_base_model(), "
+            f"whose layers keep the adapters active, or {name}.merge_and_unload() (faster). "
+            "Adapters that add virtual tokens (prompt or prefix tuning) cannot be used: the "
+            "loop drives the model's own forward"
+        )
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(
             f"{name} must be a HuggingFace causal LM (an nn.Module with a .config), "
