@@ -17,6 +17,7 @@ of its own (some builds need gigabytes, or crash). Statuses:
 
     python scripts/architecture_sweep.py                 # every type, a markdown table
     python scripts/architecture_sweep.py llama bert      # some types
+    python scripts/architecture_sweep.py --jobs 4        # 4 processes at a time (default 2)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import warnings
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 SIZES = {
     "vocab_size": 128,
@@ -69,6 +71,7 @@ def sweep_one(model_type: str) -> tuple[str, str]:
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)  # --jobs processes share the cores
     try:
         config = AutoConfig.for_model(model_type, **SIZES)
         torch.manual_seed(0)
@@ -119,32 +122,42 @@ def sweep_one(model_type: str) -> tuple[str, str]:
     return ("DIFFERS", ", ".join(differs)) if differs else ("match", "")
 
 
+def run_child(model_type: str) -> tuple[str, str]:
+    """:func:`sweep_one` of ``model_type`` in a process of its own: ``(status, detail)``."""
+    try:
+        child = subprocess.run(
+            [sys.executable, __file__, "--one", model_type],
+            capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return "timed out", f"over {TIMEOUT_S} s"
+    lines = child.stdout.strip().splitlines()
+    status, _, detail = (lines[-1] if lines else "crashed\t").partition("\t")
+    return status, detail
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("types", nargs="*", help="model types (default: every causal LM type)")
+    parser.add_argument("--jobs", type=int, default=2, help="processes at a time (default 2)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process's model type
     args = parser.parse_args()
     if args.one:
         status, detail = sweep_one(args.one)
         print(f"{status}\t{' '.join(detail.split())[:200]}")
         return
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    from tqdm.auto import tqdm
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     types = args.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    counts: Counter[str] = Counter()
+    with ThreadPoolExecutor(args.jobs) as pool:  # threads: each waits on its process
+        verdicts = list(tqdm(pool.map(run_child, types), total=len(types), desc="model types"))
     print("| model type | status | detail |\n| --- | --- | --- |")
-    for model_type in types:
-        try:
-            child = subprocess.run(
-                [sys.executable, __file__, "--one", model_type],
-                capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
-            )  # fmt: skip
-            lines = child.stdout.strip().splitlines()
-            status, _, detail = (lines[-1] if lines else "crashed\t").partition("\t")
-        except subprocess.TimeoutExpired:
-            status, detail = "timed out", f"over {TIMEOUT_S} s"
-        counts[status] += 1
-        print(f"| {model_type} | {status} | {detail.replace('|', '/')} |", flush=True)
+    for model_type, (status, detail) in zip(types, verdicts, strict=True):
+        print(f"| {model_type} | {status} | {detail.replace('|', '/')} |")
+    counts = Counter(status for status, _ in verdicts)
     print("\n" + ", ".join(f"{status}: {n}" for status, n in counts.most_common()))
 
 
