@@ -7,11 +7,14 @@ TETRIS and a draft tree, three left-padded prompts, 24 new tokens. Each type run
 of its own (some builds need gigabytes, or crash). Statuses:
 
 * ``match``: all three equal ``generate``'s output;
-* ``refused``: ``speculative_generate`` raised a ``ValueError``/``TypeError`` (the reason is
+* ``refused``: specselect itself raised a ``ValueError``/``TypeError`` (the reason is
   printed): a model the loop cannot drive, refused before any generation work;
 * ``DIFFERS``: output differs from ``generate``'s without an error (a bug to fix);
-* ``ERROR``: ``speculative_generate`` raised anything else (a bug to fix, or a model that
-  fails outside the loop too);
+* ``ERROR``: anything else was raised, also a ``ValueError`` from inside a model (a bug to
+  fix, or a model that fails outside the loop too); ``crashed``: the process ended without an
+  answer (its exit code and last error line are printed).
+
+The runs that ended worst are named (ERROR, then DIFFERS, then refused).
 * ``not built`` / ``no generate`` / ``too big``: the generic sizes do not fit this type, or
   its own ``generate`` failed on them: not a verdict on the loop.
 
@@ -25,9 +28,12 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import traceback
 import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 SIZES = {
     "vocab_size": 128,
@@ -57,29 +63,51 @@ SIZES = {
     "tie_word_embeddings": False,
 }
 MAX_PARAMETERS = 30_000_000
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "specselect"
 TIMEOUT_S = 300
+
+
+RESULT = "sweep result:"  # marks the child's answer among whatever the model prints
+RUNS = ("fixed", "tetris", "tree")
 
 
 def sweep_one(model_type: str) -> tuple[str, str]:
     """``(status, detail)`` of one model type (see the module doc)."""
     import torch
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from specselect import FixedWindowSelector, TetrisSelector, speculative_generate
-    from specselect.hf import TreeSpec
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)  # --jobs processes share the cores
     try:
-        config = AutoConfig.for_model(model_type, **SIZES)
-        torch.manual_seed(0)
-        target = AutoModelForCausalLM.from_config(config).eval()
+        target, draft = build_pair(model_type)
     except Exception as error:  # any build failure is reported, not raised
         return "not built", f"{type(error).__name__}: {error}"
     if sum(p.numel() for p in target.parameters()) > MAX_PARAMETERS:
         return "too big", "the generic sizes do not apply to this config"
+    ids, mask = prompts()
+    try:
+        with torch.no_grad():
+            reference = target.generate(
+                ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None
+            )
+    except Exception as error:
+        return "no generate", f"{type(error).__name__}: {error}"
+    outcomes = {run: speculative_run(run, target, draft, ids, mask, reference) for run in RUNS}
+    for status in ("ERROR", "DIFFERS", "refused"):  # the worst outcome of the three runs
+        runs = [run for run, (got, _) in outcomes.items() if got == status]
+        if runs:
+            return status, f"{', '.join(runs)}: {outcomes[runs[0]][1]}"
+    return "match", ""
+
+
+def build_pair(model_type: str) -> tuple[Any, Any]:
+    """A small random target of ``model_type`` (SDPA where it has it) and a noisy copy."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SIZES)).eval()
     if getattr(target, "_supports_sdpa", False):
         target.set_attn_implementation("sdpa")
     draft = type(target)(target.config).eval()
@@ -90,40 +118,46 @@ def sweep_one(model_type: str) -> tuple[str, str]:
             scale = weight.std() if weight.numel() > 1 else weight.abs()
             noise = torch.randn(weight.shape, generator=generator, dtype=weight.dtype)
             weight.add_(noise * 0.15 * scale)
+    return target, draft
+
+
+def prompts() -> tuple[Any, Any]:
+    """Three left-padded prompts of 4, 9 and 6 tokens: ``([3, 9] ids, [3, 9] mask)``."""
+    import torch
+
+    generator = torch.Generator().manual_seed(2)
     lengths = torch.tensor([4, 9, 6])
-    ids = torch.randint(3, 128, (3, 9), generator=generator)
-    mask = (torch.arange(9) >= 9 - lengths.unsqueeze(1)).long()  # [3, 9] left padding
-    ids = ids * mask
+    mask = (torch.arange(9) >= 9 - lengths.unsqueeze(1)).long()
+    return torch.randint(3, 128, (3, 9), generator=generator) * mask, mask
+
+
+def speculative_run(
+    run: str, target: Any, draft: Any, ids: Any, mask: Any, reference: Any
+) -> tuple[str, str]:
+    """``(status, detail)`` of one run: ``refused`` only for a ``ValueError``/``TypeError``
+    that specselect itself raised (one raised inside a model's forward is an ``ERROR``)."""
+    import torch
+
+    from specselect import FixedWindowSelector, TetrisSelector, speculative_generate
+    from specselect.hf import TreeSpec
+
+    selector = FixedWindowSelector(3) if run == "fixed" else TetrisSelector(3, 2)
+    tree = TreeSpec(depth=3, branch=2, width=2) if run == "tree" else None
     try:
-        with torch.no_grad():
-            reference = target.generate(
-                ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None
-            )
+        out = speculative_generate(
+            target, draft, ids, mask, selector=selector, max_new_tokens=24, eos_token_id=None,
+            tree=tree,
+        )  # fmt: skip
     except Exception as error:
-        return "no generate", f"{type(error).__name__}: {error}"
-    runs = {
-        "fixed": (FixedWindowSelector(3), None),
-        "tetris": (TetrisSelector(3, 2), None),
-        "tree": (TetrisSelector(3, 2), TreeSpec(depth=3, branch=2, width=2)),
-    }
-    differs = []
-    for name, (selector, tree) in runs.items():
-        try:
-            out = speculative_generate(
-                target, draft, ids, mask, selector=selector, max_new_tokens=24,
-                eos_token_id=None, tree=tree,
-            )  # fmt: skip
-        except (ValueError, TypeError) as error:
-            return "refused", str(error)
-        except Exception as error:
-            return "ERROR", f"{type(error).__name__}: {error}"
-        if not torch.equal(out.sequences, reference):
-            differs.append(name)
-    return ("DIFFERS", ", ".join(differs)) if differs else ("match", "")
+        raised_in = traceback.extract_tb(error.__traceback__)[-1].filename
+        ours = raised_in.startswith(str(PACKAGE)) and isinstance(error, (ValueError, TypeError))
+        return ("refused", str(error)) if ours else ("ERROR", f"{type(error).__name__}: {error}")
+    return ("match", "") if torch.equal(out.sequences, reference) else ("DIFFERS", "")
 
 
 def run_child(model_type: str) -> tuple[str, str]:
-    """:func:`sweep_one` of ``model_type`` in a process of its own: ``(status, detail)``."""
+    """:func:`sweep_one` of ``model_type`` in a process of its own: ``(status, detail)``; a
+    process that ends without an answer is ``crashed``, with its exit code and last error."""
     try:
         child = subprocess.run(
             [sys.executable, __file__, "--one", model_type],
@@ -131,8 +165,11 @@ def run_child(model_type: str) -> tuple[str, str]:
         )  # fmt: skip
     except subprocess.TimeoutExpired:
         return "timed out", f"over {TIMEOUT_S} s"
-    lines = child.stdout.strip().splitlines()
-    status, _, detail = (lines[-1] if lines else "crashed\t").partition("\t")
+    answers = [line for line in child.stdout.splitlines() if line.startswith(RESULT)]
+    if not answers:
+        last = (child.stderr.strip().splitlines() or [""])[-1]
+        return "crashed", f"exit code {child.returncode}: {last}"
+    status, _, detail = answers[-1].removeprefix(RESULT).strip().partition("\t")
     return status, detail
 
 
@@ -144,7 +181,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.one:
         status, detail = sweep_one(args.one)
-        print(f"{status}\t{' '.join(detail.split())[:200]}")
+        print(f"{RESULT} {status}\t{' '.join(detail.split())[:200]}")
         return
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")

@@ -167,9 +167,9 @@ def _family_config(
     arch: str, vocab: int, hidden: int, layers: int, init_range: float, positions: int
 ) -> PretrainedConfig:
     """A small config of family ``arch`` (see ``FAMILIES``, where ``None`` leaves a size to the
-    config, which may derive it). Output embeddings are untied: tied
-    to a large initialiser, Gemma's scaled input embeddings make the model repeat its last
-    token forever, a run with nothing to reject."""
+    config, which may derive it). Output embeddings are untied: tied to a large initialiser,
+    Gemma's scaled input embeddings make the model repeat its last token forever, a run with
+    nothing to reject."""
     sizes = {
         "vocab_size": vocab,
         "hidden_size": hidden,

@@ -738,7 +738,9 @@ def test_host_reads_per_step(config: str, eos: tuple[int, ...], graphs: bool) ->
         short_steps, short_drafting
     )
     setup = short_reads - step_reads(short_steps, short_drafting)
-    assert setup <= 8 + causality_check_reads()  # checks, lengths, and the models' first call
+    probes = causality_check_reads()
+    assert probes <= 2 * 3  # per model: its verdict, and what its one forward pass reads
+    assert setup <= 8 + probes  # checks, lengths, and the models' first call
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "trace"])

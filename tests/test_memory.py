@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import specselect.profiling
-from hf_models import ARCHS, MORE_ARCHS, left_padded_prompts, tiny_model
+from hf_models import ARCHS, MORE_ARCHS, left_padded_prompts, tiny_model, tiny_pair
 from specselect import make_selector
 from specselect.cost import CostModel
 from specselect.hf import TreeSpec, speculative_generate
@@ -84,14 +84,7 @@ def test_what_a_column_holds_is_measured_once_per_model(monkeypatch: pytest.Monk
     model = tiny_model("llama", 0)
     model.config.num_key_value_heads = 4  # read by nothing that shapes the cache
     held = held_bytes(written_cache(model))
-    passes = []
-    forward = ModelCache.forward
-
-    def counted(self: ModelCache, *args: Any, **kwargs: Any) -> torch.Tensor:
-        passes.append(self.capacity)
-        return forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(ModelCache, "forward", counted)
+    passes = cache_passes(monkeypatch)
     handle = ModelHandle.of("target", model)
     assert cache_bytes(handle, SLOTS, CAPACITY) == held
     assert cache_bytes(handle, 2 * SLOTS, CAPACITY) > held
@@ -99,6 +92,29 @@ def test_what_a_column_holds_is_measured_once_per_model(monkeypatch: pytest.Monk
     with torch.autocast("cpu", dtype=torch.bfloat16):  # keys and values in bfloat16
         assert cache_bytes(handle, SLOTS, CAPACITY) < held
     assert passes == [1, 1]
+
+
+def test_no_measuring_pass_where_the_free_memory_is_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing to check against, so nothing to measure: no one-column pass."""
+    set_available(monkeypatch, None)
+    passes = cache_passes(monkeypatch)
+    generate(*tiny_pair("llama", 0, noise=0.02))
+    assert passes and 1 not in passes
+
+
+def cache_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The capacity of the cache of every ``ModelCache.forward`` from now on, in order."""
+    capacities: list[int] = []
+    forward = ModelCache.forward
+
+    def recorded(self: ModelCache, *args: Any, **kwargs: Any) -> torch.Tensor:
+        capacities.append(self.capacity)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelCache, "forward", recorded)
+    return capacities
 
 
 def set_available(monkeypatch: pytest.MonkeyPatch, size: int | None) -> None:

@@ -123,6 +123,7 @@ def check_causal_lm(name: str, model: object) -> nn.Module:
 _CAUSAL: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _PROBE_LOCK = threading.Lock()  # the probe switches a model's modes and back
 _PROBE_TOKENS = 8  # a bidirectional model's first position sees them all
+_INF = float("inf")
 _PROBE_TOLERANCE = 1e-3  # of the largest logit; a causal model's two rows agree exactly
 
 
@@ -135,14 +136,14 @@ def check_causal(name: str, handle: ModelHandle) -> None:
     ``config.is_decoder=False``) passes every static check, and neither configs nor modules
     say so alike across families; under the loop's causal masks it computes what ``generate``
     does not, and the output differed silently. So the model runs, without a cache and with
-    its own masks, on two rows that share their first token and differ in the rest: a causal
+    its own masks, on two rows that share their first token and no later one: a causal
     model's first logits are the same in both. One pass of one shape, so both rows go through
     the same kernels whatever the dtype, autocast or TF32 setting (rounding cannot tell them
-    apart: on every family of the tests they agree exactly, while a small random BERT moves
-    them by 1.5e-2 of its largest logit, above the tolerance of 1e-3). Non-finite logits must
-    be the same in both rows. In evaluation mode, since dropout would tell the rows apart; the
-    modules' modes are restored after. Once per model object: a model changed afterwards (its
-    ``config.is_decoder`` set) is not checked again.
+    apart: on every family of the tests they agree exactly, while random BERTs at the default
+    initialisation move them by about 1e-2 of their range, ten times the tolerance). Non-finite
+    logits must be the same in both rows. In evaluation mode, since dropout would tell the rows
+    apart; the modules' modes are restored after. Once per model object: a model changed
+    afterwards (its ``config.is_decoder`` set) is not checked again.
     """
     model = handle.model
     with _PROBE_LOCK:
@@ -152,13 +153,14 @@ def check_causal(name: str, handle: ModelHandle) -> None:
         finite = first.isfinite() & other.isfinite()  # [V]
         same = torch.where(finite, True, (first == other) | (first.isnan() & other.isnan()))
         change = torch.where(finite, (first - other).abs(), 0).max()
-        scale = torch.where(finite, first.abs(), 0).max()
-        moved, largest, agree = torch.stack([change, scale, same.all()]).tolist()  # one read
-        if not agree or moved > _PROBE_TOLERANCE * largest:
+        # The range, not the largest magnitude: an offset common to all logits changes nothing.
+        scale = torch.where(finite, first, -_INF).max() - torch.where(finite, first, _INF).min()
+        moved, spread, agree = torch.stack([change, scale, same.all()]).tolist()  # one read
+        if not agree or moved > _PROBE_TOLERANCE * spread:
             raise ValueError(
                 f"{name} ({type(model).__name__}) is not a causal LM: its logits at a position "
-                f"change with the tokens after it (by up to {moved:.3g}, in logits up to "
-                f"{largest:.3g}), so verifying a block of tokens in one pass cannot equal "
+                f"change with the tokens after it (by up to {moved:.3g}, in logits spanning "
+                f"{spread:.3g}), so verifying a block of tokens in one pass cannot equal "
                 "generating them one by one. A BERT-style model used as a causal LM needs "
                 "config.is_decoder=True (e.g. from_pretrained(..., is_decoder=True))"
             )
@@ -167,10 +169,12 @@ def check_causal(name: str, handle: ModelHandle) -> None:
 
 def _probe_rows(model: nn.Module, handle: ModelHandle) -> tuple[Tensor, Tensor]:
     """``([V], [V])`` float32: the first position's logits of two rows of ``_PROBE_TOKENS``
-    tokens that share only their first token, in one pass in evaluation mode."""
+    tokens that share their first token and no other position's, in one pass in evaluation
+    mode."""
     rows = input_rows(model)
-    ids = torch.linspace(rows // 3, rows - 1, _PROBE_TOKENS, device=handle.device).long()
-    ids = torch.stack([ids, torch.cat([ids[:1], ids[1:].flip(0)])])  # [2, N]
+    ids = torch.linspace(rows // 4, rows // 2, _PROBE_TOKENS, device=handle.device).long()
+    other = torch.cat([ids[:1], (ids[1:] + rows // 2) % rows])  # [N] another id at each later
+    ids = torch.stack([ids, other])  # [2, N]: position information alone need not tell
     keep = {"logits_to_keep": 0} if handle.keeps_logits else {}  # 0: every position
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
@@ -189,7 +193,8 @@ def warn_dropout(name: str, model: nn.Module) -> None:
     functionally, in training mode) with a module in training mode. Its output is then
     random, so no greedy run repeats, and neither ``generate``'s output nor this loop's is the
     model's."""
-    training = [module for module in model.modules() if module.training]
+    with _PROBE_LOCK:  # not while another call's probe has switched the model to eval
+        training = [module for module in model.modules() if module.training]
     if not training:
         return
     config = text_config(model)
