@@ -124,7 +124,7 @@ _CAUSAL: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _PROBE_LOCK = threading.Lock()  # the probe switches a model's modes and back
 _PROBE_TOKENS = 8  # a bidirectional model's first position sees them all
 _INF = float("inf")
-_PROBE_TOLERANCE = 1e-3  # of the largest logit; a causal model's two rows agree exactly
+_PROBE_TOLERANCE = 1e-3  # of the logits' range; a causal model's two rows agree exactly
 
 
 def check_causal(name: str, handle: ModelHandle) -> None:

@@ -210,11 +210,11 @@ def speculative_generate(
             tree for a selector without ``supports_trees``.
         ValueError: a model that is not causal (its logits at a position depend on later
             tokens) or has layers the loop cannot roll back; a bad value (shapes, ids outside
-            the vocabulary, right padding, lengths
-            beyond the caches or the models' positions, caches beyond free memory), an option
-            ``generate`` has and this loop does not (other decoding modes, logits processors,
-            scores and other extra outputs), ``cuda_graphs=True`` where graphs are impossible, or
-            a selector another call is using. All before any generation.
+            the vocabulary, right padding, lengths beyond the caches or the models' positions,
+            caches beyond free memory), an option ``generate`` has and this loop does not (other
+            decoding modes, logits processors, scores and other extra outputs),
+            ``cuda_graphs=True`` where graphs are impossible, or a selector another call is
+            using. All before any generation.
         RuntimeError: mid-run, a sampling distribution holding NaN (as ``generate``), or a
             selector defined outside specselect that returned an answer breaking its contract
             (checked on a CPU; an estimator's broken scores are a ``ValueError``).
