@@ -4,7 +4,8 @@ For each model type that ``AutoModelForCausalLM`` knows, the sweep builds a smal
 (the sizes of ``SIZES``; keys a config does not take are ignored or kept as attributes) and a
 noisy copy of it as the draft, and compares greedy output with ``generate`` for fixed k = 3,
 TETRIS and a draft tree, three left-padded prompts, 24 new tokens. Each type runs in a process
-of its own (some builds need gigabytes, or crash). Statuses:
+of its own, its address space capped (``--memory-gb``: some configs' default sizes ask for tens
+of GiB), since some builds crash. Statuses:
 
 * ``match``: all three equal ``generate``'s output;
 * ``refused``: specselect itself raised a ``ValueError``/``TypeError`` (the reason is
@@ -26,6 +27,7 @@ The runs that ended worst are named (ERROR, then DIFFERS, then refused).
 from __future__ import annotations
 
 import argparse
+import resource
 import subprocess
 import sys
 import traceback
@@ -155,12 +157,12 @@ def speculative_run(
     return ("match", "") if torch.equal(out.sequences, reference) else ("DIFFERS", "")
 
 
-def run_child(model_type: str) -> tuple[str, str]:
+def run_child(model_type: str, memory_gb: int) -> tuple[str, str]:
     """:func:`sweep_one` of ``model_type`` in a process of its own: ``(status, detail)``; a
     process that ends without an answer is ``crashed``, with its exit code and last error."""
     try:
         child = subprocess.run(
-            [sys.executable, __file__, "--one", model_type],
+            [sys.executable, __file__, "--one", model_type, "--memory-gb", str(memory_gb)],
             capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -177,20 +179,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("types", nargs="*", help="model types (default: every causal LM type)")
     parser.add_argument("--jobs", type=int, default=2, help="processes at a time (default 2)")
+    parser.add_argument(
+        "--memory-gb", type=int, default=8, help="address space per process (default 8 GiB)"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process's model type
     args = parser.parse_args()
     if args.one:
+        limit = args.memory_gb << 30  # a config's default sizes may ask for tens of GiB
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         status, detail = sweep_one(args.one)
         print(f"{RESULT} {status}\t{' '.join(detail.split())[:200]}")
         return
-    if args.jobs < 1:
-        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.jobs < 1 or args.memory_gb < 1:
+        parser.error(f"--jobs and --memory-gb must be >= 1, got {args.jobs}, {args.memory_gb}")
     from tqdm.auto import tqdm
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     types = args.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     with ThreadPoolExecutor(args.jobs) as pool:  # threads: each waits on its process
-        verdicts = list(tqdm(pool.map(run_child, types), total=len(types), desc="model types"))
+        verdicts = list(
+            tqdm(
+                pool.map(run_child, types, [args.memory_gb] * len(types)),
+                total=len(types),
+                desc="model types",
+            )
+        )
     print("| model type | status | detail |\n| --- | --- | --- |")
     for model_type, (status, detail) in zip(types, verdicts, strict=True):
         print(f"| {model_type} | {status} | {detail.replace('|', '/')} |")
