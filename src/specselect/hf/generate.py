@@ -243,16 +243,14 @@ def speculative_generate(
         raise ValueError(f"TreeSpec.branch ({tree.branch}) exceeds the vocabulary size ({vocab})")
     # Tokens a row feeds the models: its last new token is emitted, never fed back.
     fed = int(attention_mask.sum(dim=1).max()) + options.max_new_tokens - 1
-    for name, handle in (("target", t_handle), ("draft", d_handle)):
-        if handle is not None:
-            check_context_fits(name, handle, fed)
-    devices = [t_handle.device] + ([d_handle.device] if d_handle is not None else [])
-    generators = split_generator(generator, *devices)
+    models = named_models(t_handle, d_handle)
+    for name, handle in models:
+        check_context_fits(name, handle, fed)
+    generators = split_generator(generator, *(handle.device for _, handle in models))
     mode = graph_mode(cuda_graphs, t_handle, d_handle, generators.values())
-    for name, handle in (("target", t_handle), ("draft", d_handle)):
-        if handle is not None:  # after the static checks: it runs the model
-            warn_dropout(name, handle.model)
-            check_causal(name, handle)
+    for name, handle in models:  # after the static checks: it runs the model
+        warn_dropout(name, handle.model)
+        check_causal(name, handle)
     loop = _Loop(
         t_handle,
         d_handle,
@@ -331,6 +329,11 @@ def _checked_models(
     return t_handle, d_handle, vocab
 
 
+def named_models(target: ModelHandle, draft: ModelHandle | None) -> list[tuple[str, ModelHandle]]:
+    """The call's models with the argument names its messages use (no draft: plain decoding)."""
+    return [("target", target)] + ([("draft", draft)] if draft is not None else [])
+
+
 def graph_mode(
     cuda_graphs: object,
     target: ModelHandle,
@@ -345,9 +348,8 @@ def graph_mode(
         return "eager"
     if emulating_on_cpu():
         return "trace"
-    handles = [("target", target)] + ([("draft", draft)] if draft is not None else [])
     reasons = [capture_failure(), _autocast_obstacle()]
-    reasons += [graph_obstacle(h.model, name) for name, h in handles]
+    reasons += [graph_obstacle(h.model, name) for name, h in named_models(target, draft)]
     if draft is not None and draft.device != target.device:
         # A graph records the stream of one device: the other model would run outside it.
         reasons.append(f"target sits on {target.device} and draft on {draft.device}")
