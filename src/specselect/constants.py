@@ -17,10 +17,10 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from specselect._checks import capturing
 
-__all__ = ["cached_constant"]
+__all__ = ["arange_constant", "cached_constant"]
 
 _CONSTANTS: OrderedDict[tuple[object, ...], Tensor] = OrderedDict()
-_CONSTANTS_SIZE = 32
+_CONSTANTS_SIZE = 64
 
 
 def cached_constant(key: tuple[object, ...], build: Callable[..., Tensor]) -> Tensor:
@@ -44,6 +44,15 @@ def cached_constant(key: tuple[object, ...], build: Callable[..., Tensor]) -> Te
             _evict_one()
         _CONSTANTS[key] = value
     return value
+
+
+def arange_constant(size: int, device: torch.device) -> Tensor:  # [size] int64
+    """``arange(size)`` on ``device``, cached (:func:`cached_constant`)."""
+    return cached_constant(("arange", size, device), _arange)
+
+
+def _arange(size: int, device: torch.device) -> Tensor:
+    return torch.arange(size, device=device)
 
 
 def _evict_one() -> None:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specselect.constants import arange_constant
 from specselect.hf.compat import ModelHandle
 from specselect.hf.kv import ModelCache, host_index
 from specselect.sampling import logits_to_probs, sample_from
@@ -254,7 +255,7 @@ class ChainDrafter:
             self.backlog[:rows, self.width] = next_token
             self.backlog_valid[:rows, self.width].fill_(True)
             return
-        fed = torch.arange(k - 1, device=num_accepted.device)  # drafts 0..k-2 were fed back
+        fed = arange_constant(k - 1, num_accepted.device)  # drafts 0..k-2 were fed back
         backlog_valid = self.backlog_valid[:rows, : self.width]
         self.cache.commit(
             torch.cat([backlog_valid, fed.unsqueeze(0) < num_accepted.unsqueeze(1)], dim=1)

@@ -48,6 +48,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specselect.constants import arange_constant, cached_constant
 from specselect.hf.compat import ModelHandle
 
 #: A pass attends over a multiple of this many columns: in eager mode over the columns written
@@ -206,7 +207,7 @@ class ModelCache:
             last_only: compute the LM head on the last column only (when the model allows it).
         """
         rows, width = input_ids.shape
-        columns = self.pos + torch.arange(width, device=self.pos.device)  # [W]
+        columns = self.pos + arange_constant(width, self.pos.device)  # [W]
         attention_mask, position_ids = self.pass_inputs(
             columns, block_valid, depth, block_mask, past_mask
         )
@@ -248,22 +249,23 @@ class ModelCache:
         rows, width = block_valid.shape
         device = block_valid.device
         if depth is None:
-            depth = block_valid.to(torch.int64).cumsum(dim=1) - 1
-        positions = torch.where(block_valid, self.count[:rows].unsqueeze(1) + depth, 0)
+            depth = block_valid.cumsum(dim=1, dtype=torch.int64) - 1
+        # Holes at position 0: a product, not a where, saves building a scalar per pass.
+        positions = (self.count[:rows].unsqueeze(1) + depth) * block_valid  # [B, W]
         if self.handle.position_limit is not None:
             positions = positions.clamp_(max=self.handle.position_limit - 1)
         if block_mask is None:
-            block_mask = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        itself = torch.eye(width, dtype=torch.bool, device=device)
+            block_mask = cached_constant(("causal_block", width, device), _causal)  # [W, W]
+        itself = cached_constant(("identity_block", width, device), _identity)  # [W, W]
         within = (block_mask & block_valid.unsqueeze(1)) | itself  # [B, W, W]
         span = self.kv.span
         past = self.valid[:rows, :span].unsqueeze(1).expand(rows, width, span)  # [B, W, L]
         if past_mask is not None:
-            recent = self.mark + torch.arange(past_mask.shape[2], device=device)  # [T]
+            recent = self.mark + arange_constant(past_mask.shape[2], device)  # [T]
             past = past.index_copy(2, recent, past.index_select(2, recent) & past_mask)
         mask = past.index_copy(2, columns, within.expand(rows, width, width)).unsqueeze(1)
         if self.handle.mask_kind == "eager":
-            zero = torch.zeros((), dtype=self.handle.dtype, device=device)
+            zero = cached_constant(("zero", self.handle.dtype, device), _zero)  # []
             return torch.where(mask, zero, torch.finfo(self.handle.dtype).min), positions
         return mask, positions
 
@@ -275,11 +277,11 @@ class ModelCache:
         wrote. Device work only.
         """
         rows, span = keep.shape
-        recent = self.mark + torch.arange(span, device=self.mark.device)  # [T]
+        recent = self.mark + arange_constant(span, self.mark.device)  # [T]
         valid = self.valid[:rows]
         kept = keep & valid.index_select(1, recent)
         valid.index_copy_(1, recent, kept)
-        self.count[:rows] += kept.sum(dim=1)
+        self.count[:rows].add_(kept.sum(dim=1))
         self.mark.copy_(self.pos)
 
     # ------------------------------------------------------------------ between steps (eager)
@@ -403,6 +405,18 @@ class ModelCache:
         self.pos.fill_(width)
         self.mark.fill_(width)
         self._account(width)
+
+
+def _causal(width: int, device: torch.device) -> Tensor:  # [W, W] bool
+    return torch.ones(width, width, dtype=torch.bool, device=device).tril()
+
+
+def _identity(width: int, device: torch.device) -> Tensor:  # [W, W] bool
+    return torch.eye(width, dtype=torch.bool, device=device)
+
+
+def _zero(dtype: torch.dtype, device: torch.device) -> Tensor:  # [] dtype
+    return torch.zeros((), dtype=dtype, device=device)
 
 
 def host_index(values: list[int], device: torch.device) -> Tensor:  # -> [len] int64

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from specselect.constants import arange_constant
 from specselect.hf.compat import ModelHandle
 from specselect.hf.draft import ChainDrafter, SamplingParams
 from specselect.hf.graphs import bucket_for
@@ -496,7 +497,7 @@ class GenerationState:
         """
         size, width = tokens.shape[0], tokens.shape[1] + 1
         active = self.active[:size]
-        columns = torch.arange(width, device=self.device).unsqueeze(0)  # [1, W]
+        columns = arange_constant(width, self.device).unsqueeze(0)  # [1, W]
         padded = torch.cat([tokens, next_token.unsqueeze(1)], dim=1)
         emitted = torch.where(columns == num_accepted.unsqueeze(1), next_token.unsqueeze(1), padded)
         count = num_accepted + 1
@@ -510,7 +511,7 @@ class GenerationState:
         slots = self.generated[:size].unsqueeze(1) + columns
         slots = torch.where(columns < count.unsqueeze(1), slots, self.max_new)
         self.out.index_put_((self.rows[:size].unsqueeze(1).expand_as(slots), slots), emitted)
-        self.generated[:size] += count
+        self.generated[:size].add_(count)
         if self.layout.lookup:
             push_tokens(self.window[:size], self.filled[:size], emitted, count)
         finished = active & (hit_eos | (self.generated[:size] >= self.max_new))

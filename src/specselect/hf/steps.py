@@ -44,7 +44,7 @@ from torch import Tensor
 
 from specselect._checks import check_int
 from specselect.capture_contract import recording_checked
-from specselect.constants import cached_constant
+from specselect.constants import arange_constant, cached_constant
 from specselect.hf.draft import ChainDrafter, SamplingParams
 from specselect.hf.graphs import StageRunner
 from specselect.hf.state import (
@@ -471,9 +471,9 @@ class ChainStep(Step):
 
     def _mask_unemittable(self, tokens: Tensor, scores: Tensor) -> Tensor:  # [b, k] -> [b, k]
         """The unemittable positions of a chain (see :meth:`Step._unemittable`) at ``-inf``."""
-        depth = torch.arange(1, scores.shape[1] + 1, device=scores.device)  # [k]
-        is_eos = self.state.is_eos(tokens).to(torch.int64)  # [b, k]
-        below_eos = (is_eos.cumsum(dim=1) - is_eos) > 0  # strictly after the first EOS
+        depth = arange_constant(scores.shape[1] + 1, scores.device)[1:]  # [k] 1..k
+        is_eos = self.state.is_eos(tokens)  # [b, k]
+        below_eos = is_eos.cumsum(dim=1, dtype=torch.int64) > is_eos  # after the first EOS
         return scores.masked_fill(self._unemittable(depth, below_eos), NEG_INF)
 
 

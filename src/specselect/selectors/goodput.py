@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int, check_probability, check_real
-from specselect.constants import cached_constant
+from specselect.constants import arange_constant
 from specselect.cost import default_cost_model
 
 __all__ = [
@@ -208,7 +208,7 @@ def goodput_mask(
     # Column-major, so that a stable sort breaks equal costs by column, then by row.
     ordered, order = torch.sort(costs.t().reshape(-1), stable=True)  # [n], [n]
     n = ordered.shape[0]
-    steps = cached_constant(("goodput_steps", n + 1, device), _steps)  # [n + 1] C = 0..n
+    steps = arange_constant(n + 1, device)  # [n + 1] C = 0..n
     probs = ordered.to(torch.float64).neg().exp()  # [n], 0 where never selectable
     expected = torch.cat([probs.new_zeros(1), probs.cumsum(0)])  # [n + 1] E(C)
     # Both tables read at flat device indices (a 0-dim index would be read on the host).
@@ -221,10 +221,6 @@ def goodput_mask(
     best = goodput.masked_fill(steps > available, -INF).argmax()  # [] C*: the first maximum
     rank = torch.empty_like(order).scatter_(0, order, steps[:n])  # [n] position in the order
     return (rank < best).view(width, rows).t().contiguous()
-
-
-def _steps(size: int, device: torch.device) -> Tensor:
-    return torch.arange(size, device=device)
 
 
 class GoodputPlanner:
