@@ -351,6 +351,14 @@ def _bad_inputs(dirs: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
             ["--target", str(dirs["draft"]), "--draft", str(dirs["draft"]), *prompts],
             "(the target's: the tokenizer is read from there by default) holds no tokenizer",
         ),
+        "tokenizer without models": (
+            ["--tokenizer", str(dirs["target"])],
+            "--tokenizer needs --target/--draft",
+        ),
+        "tokenizer not a dir": (
+            [*models, *prompts, "--tokenizer", str(dirs["prompts"])],
+            "is not a directory",
+        ),
         "prompts required": (models, "--prompts is required"),
         "missing prompts": (
             [*models, "--prompts", str(tmp / "none.txt")],
@@ -369,7 +377,7 @@ def _bad_inputs(dirs: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
         ),
         "unknown selector": (
             [*models, *prompts, "--selectors", "tetris,nope"],
-            "unknown selector 'nope'",
+            "argument --selectors: unknown selector 'nope'",
         ),
         "k zero": (["--k", "0"], "--k values must be >= 1"),
         "k not int": (["--k", "2,x"], "comma-separated integers"),
@@ -415,6 +423,8 @@ BAD_CASES = [
     "target without draft",
     "dir without config",
     "target without tokenizer",
+    "tokenizer without models",
+    "tokenizer not a dir",
     "prompts required",
     "missing prompts",
     "empty prompts",
@@ -881,6 +891,20 @@ def test_limit_beyond_the_prompts_warns(model_dirs: dict[str, Path], tmp_path: P
     ]
     results = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
     assert results["meta"]["traces"]["requests"] == 5
+
+
+def test_tokenizer_from_another_directory(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Models saved without their tokenizer (the test pair's draft directory has none) run with
+    --tokenizer naming it; without it they were refused, and the CLI had no way round."""
+    draft = str(model_dirs["draft"])
+    argv = ["--target", draft, "--draft", draft, "--prompts", str(model_dirs["prompts"])]
+    small = ["--selectors", "fixed", "--k", "1", "--extra", "1", "--max-new-tokens", "3"]
+    tokenizer = ["--tokenizer", str(model_dirs["target"])]
+    out = ["--out", str(tmp_path), "--quiet", "--no-plots"]
+    code, _, stderr = run_main(["compare", *argv, *tokenizer, *small, *out])
+    assert code == 0, stderr
+    results = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
+    assert results["meta"]["traces"]["requests"] == len([p for p in PROMPTS if p.strip()])
 
 
 def test_threads_apply_to_the_run_only(

@@ -471,6 +471,14 @@ def test_a_source_without_its_optional_fields_loads(tmp_path: Path) -> None:
     assert source.note == "" and source.grid == {}
 
 
+def test_a_cost_file_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
+    """As an editor on Windows saves it; json refused it ("Unexpected UTF-8 BOM")."""
+    model = CostModel.fit(GOOD, source=SOURCE)
+    path = model.save(tmp_path / "cost.json")
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert CostModel.load(path) == model
+
+
 def test_a_plain_decoding_model_round_trips(tmp_path: Path) -> None:
     model = CostModel.linear(None, (1e-2, 1e-5, 0.0))
     assert CostModel.load(model.save(tmp_path / "plain.json")) == model

@@ -229,6 +229,7 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
     ("max_new_tokens < 0", "max_new_tokens", lambda m: -1, ValueError, "max_new_tokens"),
     ("max_new_tokens 0", "max_new_tokens", lambda m: 0, ValueError, "max_new_tokens must be >= 1"),
     ("max_new_tokens float", "max_new_tokens", lambda m: 2.5, TypeError, "max_new_tokens"),
+    ("progress string", "progress", lambda m: "no", TypeError, "progress must be True or False"),
     (
         "mask wrong shape",
         "attention_mask",
@@ -730,6 +731,20 @@ def test_a_language_model_of_ones_own_without_generation_mixin_runs(models) -> N
     assert torch.equal(
         out.sequences, speculative_generate(target, None, ids, mask, **kwargs).sequences
     )
+
+
+@pytest.mark.parametrize("key", ["eos_token_id", "pad_token_id"])
+def test_a_stop_or_pad_token_set_in_the_generation_config_keeps_the_pair(models, key) -> None:
+    """Another stop or pad token in the target's generation config is a decoding setting, not
+    another tokenizer: its config still names the draft's ids, so the pair runs (it was
+    refused as "do not share a tokenizer") and the output is generate()'s."""
+    target, draft = models
+    changed = copy.deepcopy(target)
+    setattr(changed.generation_config, key, 5)
+    ids, mask = left_padded_prompts(4, 2, 6, VOCAB, 0)
+    out = call((changed, draft), max_new_tokens=6)
+    expected = changed.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    assert torch.equal(out.sequences, expected)
 
 
 def test_a_draft_listing_other_eos_ids_of_one_tokenizer_pairs(models) -> None:

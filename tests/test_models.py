@@ -125,6 +125,9 @@ def test_missing_files_raise_a_clear_error(tmp_path, monkeypatch: pytest.MonkeyP
         (".JSONL", '{"text": "x = 1"}\n', ["x = 1"]),  # not the JSON line as a prompt
         # JSON strings may hold U+2028 unescaped; it does not end a line
         (".jsonl", '{"text": "a\u2028b"}\n', ["a\u2028b"]),
+        # a byte-order mark (Windows editors) is no part of the first prompt, nor JSON
+        (".txt", "\ufeffhello\r\nsecond\r\n", ["hello", "second"]),
+        (".jsonl", '\ufeff{"text": "x"}\n', ["x"]),
     ],
 )
 def test_read_prompts(tmp_path: Path, suffix: str, content: str, expected: list[str]) -> None:

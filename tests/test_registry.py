@@ -202,6 +202,13 @@ def test_repr_is_the_constructor_arguments_in_short(name: str) -> None:
     assert all(f"{key}={value!r}" in text for key, value in kwargs.items()), text
 
 
+def test_the_papers_tetris_repr_builds_it_again() -> None:
+    """It shows ``guard=None``, which the constructor refused (it took True or False)."""
+    paper = make_selector("tetris+none", k=3, extra=2)
+    again = eval(repr(paper), {"TetrisSelector": SELECTORS["tetris"]})
+    assert repr(again) == repr(paper) and again.guard is None and again.estimator is None
+
+
 class _NeedsEstimator(SELECTORS["threshold"]):  # type: ignore[misc,valid-type]
     """A selector whose spec sets one of its required arguments (none shipped does)."""
 

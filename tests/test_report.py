@@ -84,6 +84,17 @@ def table_lines(rows: list[ResultRow], name: str) -> list[str]:
     return [line for line in format_table(rows).splitlines() if line.startswith(name + " ")]
 
 
+def test_the_baselines_tree_rows_come_first() -> None:
+    """A live tree run's rows are ``fixed tree(...)`` and the others' trees: the baseline's
+    sorted among the others by name (after ``dsd tree``), not first."""
+    from specselect.hf import TreeSpec
+
+    tree = TreeSpec(3, 2, 2)
+    rows = [row(name, 2, None, DSD, tree=tree) for name in ("dsd", "oracle", "fixed", "tetris")]
+    shown = [line.split()[0] for line in format_table(rows).splitlines()[-4:]]
+    assert shown == ["fixed", "dsd", "tetris", "oracle"]
+
+
 def test_row_holds_its_config() -> None:
     kwargs = {"k": 3, "extra": 2, "budget": 24, "estimator": RequestHistory()}
     config = SelectorConfig("tetris", 3, 2, 24, kwargs)

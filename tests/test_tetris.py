@@ -1041,8 +1041,12 @@ def test_observe_takes_a_loops_read_back_as_arrays(trusted: bool) -> None:
             ValueError,
             "cost_model has no draft part",
         ),
-        ({"guard": 1}, TypeError, "guard must be True, False or a RankingGuard, got int"),
-        ({"guard": "yes"}, TypeError, "guard must be True, False or a RankingGuard, got str"),
+        (
+            {"guard": 1},
+            TypeError,
+            r"guard must be True, False \(or None\) or a RankingGuard, got int",
+        ),
+        ({"guard": "yes"}, TypeError, r"or a RankingGuard, got str"),
     ],
 )
 def test_tetris_bad_arguments(kwargs: dict, error: type, match: str) -> None:

@@ -255,14 +255,20 @@ def _add_model_arguments(models: Any) -> None:
         "--target",
         metavar="DIR",
         type=_path,
-        help="local HF model directory of the target (its tokenizer is used) "
-        "(default: the shipped tiny pair)",
+        help="local HF model directory of the target (its tokenizer is used unless "
+        "--tokenizer names another) (default: the shipped tiny pair)",
     )
     models.add_argument(
         "--draft",
         metavar="DIR",
         type=_path,
         help="local HF model directory of the draft (default: the shipped tiny pair)",
+    )
+    models.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        type=_path,
+        help="local directory of the pair's tokenizer, with --target/--draft (default: --target's)",
     )
     models.add_argument(
         "--prompts",
@@ -558,6 +564,16 @@ def check_model_args(args: argparse.Namespace) -> None:
         _check_model_dir("--draft", args.draft)
 
 
+def check_tokenizer_arg(args: argparse.Namespace) -> None:
+    """``--tokenizer`` (``compare``'s: ``profile`` reads no text) comes with the models'
+    directories, and is one."""
+    if args.tokenizer is not None:
+        if args.target is None:
+            raise UsageError("--tokenizer needs --target/--draft (the shipped pair has its own)")
+        if not args.tokenizer.is_dir():
+            raise UsageError(f"--tokenizer {str(args.tokenizer)!r} is not a directory")
+
+
 def _check_model_dir(option: str, path: Path) -> None:
     if not path.is_dir():
         raise UsageError(f"{option} {str(path)!r} is not a directory")
@@ -590,6 +606,8 @@ def load_inputs(args: argparse.Namespace) -> Inputs:
         prompts = given
         target, draft, tokenizer = _from_dirs(args)
         source = f"target {args.target}, draft {args.draft}"
+        if args.tokenizer is not None:
+            source += f", tokenizer {args.tokenizer}"
     if args.limit is not None:
         if args.limit > len(prompts):
             _warn(
@@ -622,11 +640,18 @@ def _shipped(args: argparse.Namespace) -> tuple[Any, Any, Any, list[str]]:
 
 
 def _from_dirs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """``(target, draft, tokenizer)`` from local directories; the tokenizer is the target's."""
+    """``(target, draft, tokenizer)`` from local directories; the tokenizer is ``--tokenizer``'s,
+    else the target's."""
     from specselect.models import load_models
 
     try:
-        return load_models(args.target, args.draft, dtype=DTYPES[args.dtype], device=args.device)
+        return load_models(
+            args.target,
+            args.draft,
+            args.tokenizer,
+            dtype=DTYPES[args.dtype],
+            device=args.device,
+        )
     except (OSError, ValueError, RuntimeError) as exc:
         raise UsageError(f"cannot load the models: {exc}") from None
 
@@ -740,7 +765,22 @@ def _requests_to_use(
     held = traces.num_requests
     limit: int | None = args.limit
     wanted = len(inputs.prompts) if inputs is not None else (limit or held)
-    if wanted > held:
+    if inputs is None:  # the traces alone: they are the inputs, nothing to check them against
+        used = traces if wanted >= held else traces.subset(range(wanted))
+    else:
+        with _as_usage_error():
+            used = reuse_traces(
+                traces,
+                max_k=max_k,
+                max_new_tokens=args.max_new_tokens,
+                target=inputs.target,
+                draft=inputs.draft,
+                prompt_ids=tokenize(inputs.tokenizer, inputs.prompts),
+                texts=inputs.prompts,
+                partial=True,
+                name=f"--traces {str(path)!r}",
+            )
+    if wanted > held:  # once they are known to serve the run: an error comes alone
         asked = (
             f"--limit {limit} asks for"
             if limit is not None and limit > held
@@ -749,20 +789,7 @@ def _requests_to_use(
         _warn(
             f"{asked} more requests than --traces {str(path)!r} holds ({held}); using those {held}"
         )
-    if inputs is None:  # the traces alone: they are the inputs, nothing to check them against
-        return traces if wanted >= held else traces.subset(range(wanted))
-    with _as_usage_error():
-        return reuse_traces(
-            traces,
-            max_k=max_k,
-            max_new_tokens=args.max_new_tokens,
-            target=inputs.target,
-            draft=inputs.draft,
-            prompt_ids=tokenize(inputs.tokenizer, inputs.prompts),
-            texts=inputs.prompts,
-            partial=True,
-            name=f"--traces {str(path)!r}",
-        )
+    return used
 
 
 @contextlib.contextmanager
@@ -810,7 +837,18 @@ def _reason(exc: OSError) -> str:
 
 
 def _selector_names(args: argparse.Namespace) -> list[str]:
+    """The selectors of the run; an unknown name is an error about ``--selectors``, checked
+    here rather than while parsing it, since ``--import`` (parsed in any order) may register
+    it."""
+    from specselect.registry import parse_spec, selector_class
+
     names = args.selectors if args.selectors is not None else default_selectors()
+    for base, _ in map(parse_spec, names):
+        if base != OracleSelector.name:
+            try:
+                selector_class(base)
+            except ValueError as exc:
+                raise UsageError(f"argument --selectors: {exc}") from None
     return list(dict.fromkeys(["fixed", *names, OracleSelector.name]))
 
 
@@ -879,6 +917,7 @@ def _compare(args: argparse.Namespace) -> int:
     if args.seed is not None:
         _warn(SEED_DEPRECATED)
     check_model_args(args)
+    check_tokenizer_arg(args)
     if args.tree is not None and args.mode != "live":
         raise UsageError("--tree needs --mode live: recorded traces hold chains, not trees")
     if args.refill and args.mode != "live":

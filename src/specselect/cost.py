@@ -590,7 +590,7 @@ class CostModel:
         target = Path(path)
         name = f"cost file {str(target)!r}"
         try:
-            text = target.read_text(encoding="utf-8")
+            text = target.read_text(encoding="utf-8-sig")  # an editor's BOM is no JSON
         except UnicodeDecodeError as exc:
             raise CostFileError(f"{name} is not a text file ({exc.reason})") from None
         except IsADirectoryError:

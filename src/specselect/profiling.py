@@ -159,7 +159,7 @@ def _prepared(
         _memory_needs(handles, batches, widths, max(contexts)),
         f"profiling at context {max(contexts)} with batch sizes {batches} (the caches of "
         "every batch size are allocated together)",
-        "the largest context or batch size",
+        "the largest context, batch size or width",
     )
     return handles
 

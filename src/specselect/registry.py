@@ -34,13 +34,7 @@ def make_selector(name: str, **kwargs: Any) -> Selector:
             one the spec already sets.
     """
     base, estimator = parse_spec(name)
-    try:
-        cls = SELECTORS[base]
-    except KeyError:
-        raise ValueError(
-            f"unknown selector {base!r}; expected one of {', '.join(available_selectors())}, "
-            f"optionally with +estimator ({', '.join(spec_estimators())})"
-        ) from None
+    cls = selector_class(base)
     params = constructor_parameters(cls)
     keywords = list(params)
     unknown = sorted(set(kwargs) - set(keywords))
@@ -84,6 +78,17 @@ class SelectorSpec(NamedTuple):
 
     name: str
     estimator: str | None
+
+
+def selector_class(name: str) -> type[Selector]:
+    """The selector registered as ``name``, or a ``ValueError`` listing the names."""
+    try:
+        return SELECTORS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown selector {name!r}; expected one of {', '.join(available_selectors())}, "
+            f"optionally with +estimator ({', '.join(spec_estimators())})"
+        ) from None
 
 
 def spec_estimators() -> list[str]:

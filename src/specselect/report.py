@@ -182,10 +182,12 @@ def _all_alike(rows: Sequence[ResultRow]) -> bool:
 
 
 def _ordered(rows: Iterable[ResultRow]) -> list[ResultRow]:
-    """Group by ``k``; baseline first, oracle last, the rest by name, extra and budget."""
+    """Group by ``k``; baseline first (its tree rows too), oracle last, the rest by name, extra
+    and budget."""
 
     def key(row: ResultRow) -> tuple[Any, ...]:
-        rank = 0 if row.selector == BASELINE else 2 if row.selector == ORACLE else 1
+        name = row.config.name  # without a tree's shape
+        rank = 0 if name == BASELINE else 2 if name == ORACLE else 1
         budget = row.budget  # the default, then absolute budgets, then named ones ("goodput")
         named = (2, 0, budget) if isinstance(budget, str) else None
         order = named or ((0, 0, "") if budget is None else (1, budget, ""))

@@ -323,16 +323,20 @@ def supports_logits_to_keep(model: nn.Module) -> bool:
 
 
 def special_token_ids(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """bos/eos/pad ids of ``model`` (each a sorted tuple): its generation config first, then
-    its config."""
+    """bos/eos/pad ids of ``model`` (each a sorted tuple): those of its config and of its
+    generation config together. Both count: a user who sets another stop or pad token in the
+    generation config (a decoding setting) has not changed the tokenizer the config names."""
     found: dict[str, tuple[int, ...]] = {}
-    sources = (getattr(model, "generation_config", None), model.config)
+    sources = (model.config, getattr(model, "generation_config", None))
     for key in _SPECIAL_IDS:
-        for source in sources:
-            value = getattr(source, key, None) if source is not None else None
-            if value is not None:
-                found[key] = _normalise_ids(value)
-                break
+        ids = {
+            i
+            for source in sources
+            if source is not None and getattr(source, key, None) is not None
+            for i in _normalise_ids(getattr(source, key))
+        }
+        if ids:
+            found[key] = tuple(sorted(ids))
     return found
 
 
@@ -365,7 +369,8 @@ def check_pair(target: nn.Module, draft: nn.Module, tokenizer: Sized | None = No
             if not set(mine) & set(theirs):
                 raise ValueError(
                     f"target and draft do not share a tokenizer: target {key}={list(mine)}, "
-                    f"draft {key}={list(theirs)} (no id in common)"
+                    f"draft {key}={list(theirs)} (no id in common; ids from each model's "
+                    "config and generation_config)"
                 )
     widths = logits_width(target), logits_width(draft)
     if tokenizer is not None:

@@ -222,6 +222,8 @@ def speculative_generate(
     t_handle, d_handle, vocab = _checked_models(target, draft, selector, tokenizer)
     cache_slack = check_int("cache_slack", cache_slack)
     limit = None if slots is None else check_int("slots", slots, minimum=1)
+    if not isinstance(progress, bool):  # a truthy string would show a bar
+        raise TypeError(f"progress must be True or False, got {progress!r}")
     check_tree_mode(tree, selector)
     options = resolve_options(
         generation_config,

@@ -124,7 +124,8 @@ def check_memory(needs: Sequence[CacheNeed], asked: str, lower: str) -> None:
         if available is not None and caches + mask > available:
             raise ValueError(
                 f"{asked} needs at least {_gib(caches + mask)} GiB on {device} for the KV "
-                f"caches ({_gib(caches)} GiB) and an attention mask, but only "
+                f"caches ({_gib(caches)} GiB) and the largest pass's attention mask "
+                f"({_gib(mask)} GiB), but only "
                 f"{_gib(available)} GiB is available there (weights, activations and workspace "
                 f"need more still): lower {lower}"
             )

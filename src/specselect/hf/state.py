@@ -125,6 +125,8 @@ class GenerationStats:
     host's bookkeeping after it: retiring rows, and the previous step's statistics, taken once
     this step's stages are launched) are device times on a GPU (CUDA events, read once at the
     end) and wall times on a CPU; ``prefill_seconds`` is the first rows' prompt pass.
+    ``totals.seconds`` (and so ``totals.goodput``) is the steps' time: the first prefill is
+    left out.
     ``cache_widths`` holds the columns in use in each model's cache after each step,
     ``draft_depths`` each step's draft length (a tree's depth; 0 for a plain step);
     ``compactions`` counts cache compactions (both models), ``depth_cuts`` the steps that

@@ -127,6 +127,7 @@ def _check_tokenizer_files(directory: str | Path, given: bool) -> None:
         raise OSError(
             f"{str(path)!r}{where} holds no tokenizer files (none of "
             f"{', '.join(TOKENIZER_FILES)}): save the tokenizer there with save_pretrained"
+            + ("" if given else ", or name its directory (tokenizer=; --tokenizer on the CLI)")
         )
 
 
@@ -303,7 +304,7 @@ def _read_lines(path: Path) -> list[tuple[int, str]]:
     would also split at the Unicode line separators that a JSON string may hold unescaped.
     """
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a leading BOM is no part of a prompt
     except FileNotFoundError:
         raise FileNotFoundError(f"prompts file {str(path)!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:

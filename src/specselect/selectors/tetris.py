@@ -72,7 +72,8 @@ class TetrisSelector(Selector):
         guard: fall back to the fixed window ``k`` once the outcomes show that the scores do
             not rank (see :class:`~specselect.estimators.RankingGuard`), so that the worst case
             is standard SD (with the goodput budget: every token drafted, the planner's
-            depth); ``True`` (default) for the default guard, ``False`` for none.
+            depth); ``True`` (default) for the default guard, ``False`` or ``None`` (as the
+            selector's ``repr`` shows it) for none.
         cost_model: the step times the goodput budget plans with (a
             :class:`~specselect.cost.CostModel`, or anything with its ``draft_time`` and
             ``verify_time``); :func:`~specselect.selectors.goodput.default_costs` if omitted.
@@ -93,7 +94,7 @@ class TetrisSelector(Selector):
         extra: int = 2,
         budget: int | str | None = None,
         estimator: AcceptanceEstimator | str | None = DEFAULT_ESTIMATOR,
-        guard: RankingGuard | bool = True,
+        guard: RankingGuard | bool | None = True,
         cost_model: StepCosts | None = None,
     ) -> None:
         super().__init__()
@@ -101,9 +102,9 @@ class TetrisSelector(Selector):
         self.extra = check_int("extra", extra)
         self.budget = _check_budget(budget)
         self.estimator = make_estimator(estimator)
-        if not isinstance(guard, bool | RankingGuard):
+        if not isinstance(guard, bool | RankingGuard | None):
             raise TypeError(
-                f"guard must be True, False or a RankingGuard, got {type(guard).__name__}"
+                f"guard must be True, False (or None) or a RankingGuard, got {type(guard).__name__}"
             )
         self.guard = RankingGuard() if guard is True else (guard or None)
         self.cost_model = None if cost_model is None else check_cost_model(cost_model)
