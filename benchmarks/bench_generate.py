@@ -31,6 +31,12 @@ or negative; the selector comparison is in tokens per step and VSR.
     python benchmarks/bench_generate.py --batch-sizes 1,8 --max-new-tokens 32 --repeats 1
     python benchmarks/bench_generate.py --device cuda --dtype float16 --output table.md
     python benchmarks/bench_generate.py --batch-sizes 8,32 --selectors fixed --tree 4,2,2
+    python benchmarks/bench_generate.py --batch-sizes 8 --repeats 1 --ops --device cpu
+
+``--ops`` adds a table of the operations the loop dispatches per step outside the two models'
+forward passes (plain decoding, ``selector=None``, first): on a GPU each is a kernel, captured
+or not, so it is the loop's own share of a step, countable without one. Views launch nothing
+and are not counted; nor are builds of cached constants, which a warmed-up step reuses.
 """
 
 from __future__ import annotations
@@ -38,16 +44,20 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
 from _args import at_least, int_list, output_file
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specselect import make_selector
+from specselect.constants import cached_constant
 from specselect.hf import TreeSpec, speculative_generate
 from specselect.selectors import SELECTORS
 
@@ -77,6 +87,7 @@ class Row:
     tokens: int
     identical: int
     stats: dict[str, float] = field(default_factory=dict)
+    ops: float | None = None  # --ops: operations outside the models per step
 
 
 def selector_kwargs(name: str, k: int) -> dict[str, Any]:
@@ -224,8 +235,9 @@ def bench_batch(setup: Setup, device: str, batch: int, args: argparse.Namespace)
         ]
     for label, name, kwargs, tree in runs:
         selector = make_selector(name, **kwargs)
-        seconds, out = timed(
-            lambda selector=selector, tree=tree: speculative_generate(
+
+        def call(selector: Any = selector, tree: TreeSpec | None = tree) -> Any:
+            return speculative_generate(
                 setup.target,
                 setup.draft,
                 ids,
@@ -234,15 +246,78 @@ def bench_batch(setup: Setup, device: str, batch: int, args: argparse.Namespace)
                 pad_token_id=setup.pad,
                 tree=tree,
                 **common,
-            ),
-            device,
-            args.repeats,
-        )
+            )
+
+        seconds, out = timed(call, device, args.repeats)
         if tree is None and label == name:
             label = f"{name}(" + ", ".join(f"{k}={v}" for k, v in kwargs.items()) + ")"
         identical = identical_rows(out.sequences, reference)
-        rows.append(Row(device, batch, label, seconds, tokens, identical, run_stats(out)))
+        row = Row(device, batch, label, seconds, tokens, identical, run_stats(out))
+        if args.ops:
+            row.ops = ops_per_step(setup, ids, mask, call)
+        rows.append(row)
+    if args.ops:
+        plain = Row(device, batch, "plain (selector=None)", math.nan, tokens, batch)
+        plain.ops = ops_per_step(
+            setup,
+            ids,
+            mask,
+            lambda: speculative_generate(
+                setup.target, None, ids, mask, selector=None, pad_token_id=setup.pad, **common
+            ),
+        )
+        rows.append(plain)
     return rows
+
+
+class OpsOutsideModels(TorchDispatchMode):
+    """Counts the operations dispatched outside ``models``' forward passes (see the module
+    doc): views and cached constants' builds left out."""
+
+    def __init__(self, models: tuple[torch.nn.Module, ...]) -> None:
+        super().__init__()
+        self.ops = 0
+        self._inside = 0  # forward passes under way (a model may call submodules' hooks)
+        self._models = models
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> OpsOutsideModels:
+        for model in self._models:
+            self._hooks.append(model.register_forward_pre_hook(self._enter_model))
+            self._hooks.append(model.register_forward_hook(self._leave_model))
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: object) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        super().__exit__(*exc)
+
+    def _enter_model(self, *_: object) -> None:
+        self._inside += 1
+
+    def _leave_model(self, *_: object) -> None:
+        self._inside -= 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if not (func.is_view or self._inside or _building_constant(sys._getframe())):
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _building_constant(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs inside :func:`~specselect.constants.cached_constant`."""
+    while frame is not None:
+        if frame.f_code is cached_constant.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def ops_per_step(setup: Setup, ids: Tensor, mask: Tensor, call: Callable[[], Any]) -> float:
+    """Operations outside the models per step of ``call()`` (one untimed run)."""
+    with OpsOutsideModels((setup.target, setup.draft)) as counter:
+        out = call()
+    return counter.ops / max(len(out.stats.steps), 1)
 
 
 def run_stats(out: Any) -> dict[str, float]:
@@ -266,12 +341,25 @@ def markdown(rows: list[Row]) -> str:
     ]
     baseline = {(r.device, r.batch): r.tokens / r.seconds for r in rows if r.method == "generate"}
     for row in rows:
+        if math.isnan(row.seconds):  # counted, not timed (--ops)
+            continue
         rate = row.tokens / row.seconds
         speedup = rate / baseline[(row.device, row.batch)]
         lines.append(
             f"| {row.device} | {row.batch} | {row.method} | {row.seconds:.2f} | {rate:.0f} "
             f"| {speedup:.2f}x | {stats_cells(row.stats)} | {row.identical}/{row.batch} |"
         )
+    return "\n".join(lines)
+
+
+def ops_markdown(rows: list[Row]) -> str:
+    """``--ops``'s table: operations outside the models per step, plain decoding first."""
+    lines = ["| device | B | method | ops per step outside the models |", "|---|---:|---|---:|"]
+    counted = sorted(
+        (r for r in rows if r.ops is not None),
+        key=lambda r: (r.device, r.batch, not r.method.startswith("plain")),
+    )
+    lines += [f"| {r.device} | {r.batch} | {r.method} | {r.ops:.1f} |" for r in counted]
     return "\n".join(lines)
 
 
@@ -313,6 +401,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tree",
         help="depth,branch,width: add tree-vs-chain rows at a budget of k tokens per request",
     )
+    parser.add_argument(
+        "--ops",
+        action="store_true",
+        help="also count the operations outside the models per step (one more untimed run each)",
+    )
     args = parser.parse_args(argv)
     if args.tree is not None:
         try:
@@ -343,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.extend(bench_batch(setup, device, batch, args))
                 print(f"  batch {batch} done")
     table = markdown(rows)
+    if args.ops:
+        table += "\n\n" + ops_markdown(rows)
     print(table)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:

@@ -85,6 +85,24 @@ def test_benchmark_runs(command: str) -> None:
     assert "| **no** |" not in run.stdout and "| NO |" not in run.stdout, run.stdout
 
 
+def test_ops_per_step_leave_the_models_passes_out(bench: Callable[[str], ModuleType]) -> None:
+    """``bench_generate.py --ops`` counts what the loop dispatches besides the models: a
+    forward pass alone counts nothing, and a speculative step more than a plain one."""
+    generate = bench("bench_generate")
+    setup = generate.random_setup("cpu", torch.float32)
+    ids, mask = setup.prompts(2)
+    with torch.no_grad(), generate.OpsOutsideModels((setup.target, setup.draft)) as counter:
+        setup.target(ids, attention_mask=mask)
+        setup.draft(ids, attention_mask=mask)
+    assert counter.ops == 0
+    argv = ["--ops", "--selectors", "fixed", "--max-new-tokens", "6", "--repeats", "1"]
+    with torch.no_grad():
+        rows = generate.bench_batch(setup, "cpu", 2, generate.parse_args(argv))
+    ops = {row.method: row.ops for row in rows if row.ops is not None}
+    assert 0 < ops["plain (selector=None)"] < ops["fixed(k=3)"], ops
+    assert "ops per step outside the models" in generate.ops_markdown(rows)
+
+
 def test_selector_table_is_the_union_of_methods(bench: Callable[[str], ModuleType]) -> None:
     """A CUDA row has no ``tetris_pytorch``: its cell is empty, not a KeyError; the speed-up
     is over the fastest reference, not the sorted one."""

@@ -26,13 +26,16 @@ a few named buffers (the same idea as Medusa's tree buffers, batched and per req
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from specselect._checks import _values_checkable, check_int, check_integer_tensor
+from specselect.constants import arange_constant
 
 NEG_INF = float("-inf")
 
@@ -154,24 +157,41 @@ def available_nodes(logprobs: Tensor, parents: Tensor) -> Tensor:
     return path_minima(logprobs, parents) > NEG_INF
 
 
+#: The identity element of each ``combine`` that :func:`path_reduce` knows: ``-0.0`` for sums,
+#: since ``x + -0.0`` is ``x`` for every float (``+0.0`` would turn a ``-0.0`` into ``+0.0``).
+_IDENTITIES: dict[Callable[..., Tensor], float] = {
+    torch.add: -0.0,
+    torch.minimum: math.inf,
+    torch.maximum: -math.inf,
+}
+
+
 def path_reduce(
     values: Tensor, parents: Tensor, combine: Callable[[Tensor, Tensor], Tensor]
 ) -> Tensor:
     """Combine ``values`` (``[B, N]``) over each node's ancestors-or-self with ``combine``.
 
-    ``combine`` is an associative elementwise op (``torch.add``, ``torch.minimum``). Pointer
-    jumping: after round ``r`` every node holds the combination over its ``2**r`` nearest
-    ancestors-or-self and points ``2**r`` levels up, so ``ceil(log2(N))`` rounds of gathers cover
-    any depth, with no host sync and no ``[B, N, N]`` intermediate. Results are float32 or wider.
+    ``combine`` is ``torch.add``, ``torch.minimum`` or ``torch.maximum``. Pointer jumping:
+    after round ``r`` every node holds the combination over its ``2**r`` nearest
+    ancestors-or-self and points ``2**r`` levels up, so ``ceil(log2(N))`` rounds of gathers
+    cover any depth, with no host sync and no ``[B, N, N]`` intermediate. Above the roots sits a
+    sentinel column holding ``combine``'s identity and pointing at itself, so a round is two
+    gathers and ``combine``, with no masking: a step of a tree loop runs several of these, and
+    on a GPU every operation is a kernel. Results are float32 or wider.
     """
-    total = values.to(torch.promote_types(values.dtype, torch.float32), copy=True)
-    up = parents.to(torch.int64)
-    for _ in range(max(values.shape[1] - 1, 0).bit_length()):
-        has_up = up >= 0
-        safe = up.clamp(min=0)
-        total = torch.where(has_up, combine(total, total.gather(1, safe)), total)
-        up = torch.where(has_up, up.gather(1, safe), -1)
-    return total
+    nodes = values.shape[1]
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    rounds = max(nodes - 1, 0).bit_length()
+    if rounds == 0:
+        return values.to(dtype, copy=True)
+    total = F.pad(values.to(dtype), (0, 1), value=_IDENTITIES[combine])  # [B, N + 1]
+    # A root's -1 and the sentinel's own -1 both become N, the sentinel's column.
+    up = F.pad(parents.to(torch.int64), (0, 1), value=-1).remainder_(nodes + 1)  # [B, N + 1]
+    for round_ in range(rounds):
+        total = combine(total, total.gather(1, up))
+        if round_ + 1 < rounds:
+            up = up.gather(1, up)
+    return total[:, :nodes]
 
 
 def sibling_rank(parents: Tensor) -> Tensor:
@@ -237,21 +257,23 @@ def build_tree_buffers(parents: Tensor, max_depth: int | None = None) -> TreeBuf
     parents = check_parents(parents)
     rows, n = parents.shape
     bound = n if max_depth is None else check_int("max_depth", max_depth)
-    # up[i, j, s]: the ancestor s levels above node j (s = 0: j itself; -1 above the root).
-    node_ids = torch.arange(n, device=parents.device).expand(rows, n)  # [B, N]
+    # up[i, j, s]: the ancestor s levels above node j (s = 0: j itself; N above the root).
+    node_ids = arange_constant(n, parents.device).expand(rows, n)  # [B, N]
+    # Above the roots sits a sentinel column N that points at itself: one gather a level.
+    jump = F.pad(parents, (0, 1), value=-1).remainder_(n + 1)  # [B, N + 1]
     node = node_ids
     steps = []
     for _ in range(bound):
         steps.append(node)
-        node = torch.where(node >= 0, parents.gather(1, node.clamp(min=0)), -1)
-    if max_depth is not None and _values_checkable(node) and bool((node >= 0).any()):
-        row, deep = (int(v) for v in (node >= 0).nonzero()[0])
+        node = jump.gather(1, node)
+    if max_depth is not None and _values_checkable(node) and bool((node < n).any()):
+        row, deep = (int(v) for v in (node < n).nonzero()[0])
         raise ValueError(f"node {deep} of row {row} is deeper than max_depth = {max_depth}")
     up = torch.stack(steps, dim=2) if steps else node.new_zeros(rows, n, 0)  # [B, N, D]
-    on_path = up >= 0  # [B, N, D]
+    on_path = up < n  # [B, N, D]
     depth = on_path.sum(dim=2)  # [B, N]
     # paths[i, j, d]: the ancestor at depth d + 1, i.e. depth - 1 - d levels above j.
-    levels = torch.arange(bound, device=parents.device)  # [D]
+    levels = arange_constant(bound, parents.device)  # [D]
     above = (depth.unsqueeze(2) - 1 - levels).clamp(min=0)  # [B, N, D]
     paths = torch.where(levels < depth.unsqueeze(2), up.gather(2, above), -1)  # [B, N, D]
     # Every entry marks an ancestor-or-self (one above the root marks the node itself again):

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import Tensor
 
+from specselect.constants import arange_constant
 from specselect.hf.compat import ModelHandle
 from specselect.hf.draft import ChainDrafter, SamplingParams, align_vocab, move
 from specselect.sampling import sample_from
@@ -338,8 +339,7 @@ def _inherit_ancestors(
     safe = parent.clamp(min=0)
     inherited = strict.gather(1, safe.unsqueeze(2).expand(-1, -1, nodes))  # [B, S, N]
     # A comparison, not F.one_hot: one_hot checks its values on the host (a sync).
-    ids = torch.arange(nodes, device=parent.device)
-    itself = (safe.unsqueeze(2) == ids) & (parent >= 0).unsqueeze(2)
+    itself = safe.unsqueeze(2) == arange_constant(nodes, parent.device)  # [B, S, N]
     strict = strict.clone()
     strict[:, offset : offset + parent.shape[1]] = (inherited | itself) & (parent >= 0).unsqueeze(2)
     return strict
