@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specselect.selection import chain_scores
-from specselect.tree import TreeSpec, build_tree_buffers, chain_parents, check_parents
+from specselect.tree import (
+    TreeSpec,
+    build_tree_buffers,
+    chain_parents,
+    check_parents,
+    path_reduce,
+)
 
 
 @st.composite
@@ -80,6 +86,37 @@ def test_path_scores_sum_logprobs_along_the_path(parents: torch.Tensor, rnd) -> 
             # relative error is far above rtol (hypothesis found 1.7e-314).
             expected = probs[i, walk_up(parents[i].tolist(), j)].log().sum()
             assert torch.isclose(scores[i, j], expected, rtol=1e-12, atol=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(forests(), st.randoms(use_true_random=False))
+def test_path_reduce_combines_each_nodes_ancestors(parents: torch.Tensor, rnd) -> None:
+    """Minima and maxima over the walk up to the root, exactly (-inf and signed zeros among
+    the values); sums up to rounding."""
+    rows, nodes = parents.shape
+    choices = [0.0, -0.0, float("-inf"), -1.5, 2.0]
+    values = torch.tensor(
+        [[rnd.choice([*choices, rnd.gauss(0, 1)]) for _ in range(nodes)] for _ in range(rows)]
+    ).reshape(rows, nodes)
+    for combine, reduce in [
+        (torch.minimum, torch.min),
+        (torch.maximum, torch.max),
+        (torch.add, torch.sum),
+    ]:
+        reduced = path_reduce(values, parents, combine)
+        assert reduced.shape == values.shape and reduced.dtype == torch.float32
+        for i in range(rows):
+            for j in range(nodes):
+                expected = reduce(values[i, walk_up(parents[i].tolist(), j)])
+                if combine is torch.add:
+                    assert torch.isclose(reduced[i, j], expected, rtol=1e-5, atol=1e-6)
+                else:
+                    assert reduced[i, j] == expected
+
+
+def test_path_reduce_names_the_combines_it_knows() -> None:
+    with pytest.raises(ValueError, match=r"combine must be torch\.add, torch\.minimum or"):
+        path_reduce(torch.zeros(1, 2), torch.tensor([[-1, 0]]), torch.mul)
 
 
 def test_chain_is_the_tree_with_parent_j_minus_one() -> None:

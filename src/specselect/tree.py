@@ -179,12 +179,17 @@ def path_reduce(
     gathers and ``combine``, with no masking: a step of a tree loop runs several of these, and
     on a GPU every operation is a kernel. Results are float32 or wider.
     """
+    identity = _IDENTITIES.get(combine)
+    if identity is None:
+        raise ValueError(
+            f"combine must be torch.add, torch.minimum or torch.maximum, got {combine!r}"
+        )
     nodes = values.shape[1]
     dtype = torch.promote_types(values.dtype, torch.float32)
     rounds = max(nodes - 1, 0).bit_length()
     if rounds == 0:
         return values.to(dtype, copy=True)
-    total = F.pad(values.to(dtype), (0, 1), value=_IDENTITIES[combine])  # [B, N + 1]
+    total = F.pad(values.to(dtype), (0, 1), value=identity)  # [B, N + 1]
     # A root's -1 and the sentinel's own -1 both become N, the sentinel's column.
     up = F.pad(parents.to(torch.int64), (0, 1), value=-1).remainder_(nodes + 1)  # [B, N + 1]
     for round_ in range(rounds):
