@@ -34,8 +34,9 @@ or negative; the selector comparison is in tokens per step and VSR.
     python benchmarks/bench_generate.py --batch-sizes 8 --repeats 1 --ops --device cpu
 
 ``--ops`` adds a table of the operations the loop dispatches per step outside the two models'
-forward passes (plain decoding, ``selector=None``, first): on a GPU each is a kernel, captured
-or not, so it is the loop's own share of a step, countable without one. Views launch nothing
+forward passes (plain decoding, ``selector=None``, first), counted in one more run, eager: on a
+GPU each is a kernel, captured or not, so it is the loop's own share of a step, countable
+without one. Views launch nothing
 and are not counted; nor are builds of cached constants, which a warmed-up step reuses.
 """
 
@@ -236,7 +237,9 @@ def bench_batch(setup: Setup, device: str, batch: int, args: argparse.Namespace)
     for label, name, kwargs, tree in runs:
         selector = make_selector(name, **kwargs)
 
-        def call(selector: Any = selector, tree: TreeSpec | None = tree) -> Any:
+        def call(
+            selector: Any = selector, tree: TreeSpec | None = tree, cuda_graphs: bool | None = None
+        ) -> Any:
             return speculative_generate(
                 setup.target,
                 setup.draft,
@@ -245,6 +248,7 @@ def bench_batch(setup: Setup, device: str, batch: int, args: argparse.Namespace)
                 selector=selector,
                 pad_token_id=setup.pad,
                 tree=tree,
+                cuda_graphs=cuda_graphs,
                 **common,
             )
 
@@ -254,16 +258,21 @@ def bench_batch(setup: Setup, device: str, batch: int, args: argparse.Namespace)
         identical = identical_rows(out.sequences, reference)
         row = Row(device, batch, label, seconds, tokens, identical, run_stats(out))
         if args.ops:
-            row.ops = ops_per_step(setup, ids, mask, call)
+            row.ops = ops_per_step(setup, call)
         rows.append(row)
     if args.ops:
         plain = Row(device, batch, "plain (selector=None)", math.nan, tokens, batch)
         plain.ops = ops_per_step(
             setup,
-            ids,
-            mask,
-            lambda: speculative_generate(
-                setup.target, None, ids, mask, selector=None, pad_token_id=setup.pad, **common
+            lambda cuda_graphs: speculative_generate(
+                setup.target,
+                None,
+                ids,
+                mask,
+                selector=None,
+                pad_token_id=setup.pad,
+                cuda_graphs=cuda_graphs,
+                **common,
             ),
         )
         rows.append(plain)
@@ -313,10 +322,12 @@ def _building_constant(frame: FrameType | None) -> bool:
     return False
 
 
-def ops_per_step(setup: Setup, ids: Tensor, mask: Tensor, call: Callable[[], Any]) -> float:
-    """Operations outside the models per step of ``call()`` (one untimed run)."""
+def ops_per_step(setup: Setup, call: Callable[..., Any]) -> float:
+    """Operations outside the models per step of ``call(cuda_graphs=False)`` (one untimed run):
+    eagerly, since a replayed graph dispatches nothing a dispatch mode sees (and a capture
+    under one could fail, which turns graphs off for the rest of the process)."""
     with OpsOutsideModels((setup.target, setup.draft)) as counter:
-        out = call()
+        out = call(cuda_graphs=False)
     return counter.ops / max(len(out.stats.steps), 1)
 
 

@@ -323,6 +323,9 @@ BAD_SIZES = [
     ("draft_time", (2, 4, "long"), TypeError, "context must be a float >= 0, got str"),
     ("step_time", (2, 3, -1), ValueError, "verified must be >= 0, got -1"),
     ("step_time", (-2, 3, 1), ValueError, "batch must be >= 0, got -2"),
+    # More verified than drafted: a step no loop can make, which it priced.
+    ("step_time", (2, 1, 50), ValueError, "verified (50) must be at most the batch * window = 2"),
+    ("step_time", (2, 0, 5), ValueError, "verified (5) must be at most the batch * window = 0"),
     ("predict", (CostSample("drafts", 1, 1, 0.0, 0.1),), ValueError, "sample.kind must be"),
     ("predict", (CostSample("verify", 4, 2, 0.0, 0.1),), ValueError, "sample.tokens must be >="),
     ("predict", ((1, 1, 0.0),), TypeError, "sample must be a CostSample, got tuple"),
@@ -469,6 +472,12 @@ def test_a_source_without_its_optional_fields_loads(tmp_path: Path) -> None:
     source = CostModel.load(path).source
     assert source is not None and source.hardware == SOURCE.hardware
     assert source.note == "" and source.grid == {}
+
+
+def test_save_makes_the_files_directory(tmp_path: Path) -> None:
+    """As save_traces does (a FileNotFoundError before)."""
+    model = CostModel.fit(GOOD, source=SOURCE)
+    assert CostModel.load(model.save(tmp_path / "new" / "dir" / "cost.json")) == model
 
 
 def test_a_cost_file_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> None:

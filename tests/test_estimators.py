@@ -495,8 +495,10 @@ def test_request_ids_reset_the_slots_that_change_hands() -> None:
 
 
 def test_unknown_estimator_name_is_rejected() -> None:
-    with pytest.raises(ValueError, match="estimator must be"):
+    with pytest.raises(ValueError, match="estimator must be an AcceptanceEstimator, None or"):
         TetrisSelector(k=2, estimator="oracle")
+    with pytest.raises(TypeError, match=r"estimator must be .*, got 3"):  # was a ValueError
+        TetrisSelector(k=2, estimator=3)  # type: ignore[arg-type]
 
 
 def test_estimators_on_chain_shaped_trees_match_the_flat_path() -> None:
@@ -965,6 +967,14 @@ def test_synthetic_traces_replay_consistently() -> None:
     accepted = runs[:, :-1] >= 1
     following = torch.minimum(runs[:, 1:] + 1, torch.tensor(6))
     assert torch.equal(runs[:, :-1][accepted], following[accepted])
+
+
+def test_synthetic_traces_take_numpy_numbers() -> None:
+    """Their meta holds plain numbers (Traces refuse what JSON does not give back as it is)."""
+    import numpy as np
+
+    traces = synthetic_traces("calibrated", requests=2, length=4, width=2, mean=np.float32(0.5))
+    assert traces.meta["synthetic"]["mean"] == 0.5
 
 
 @pytest.mark.parametrize(

@@ -317,6 +317,8 @@ def test_load_rejects_other_files_naming_them(tmp_path: Path, kind: str) -> None
         ({"prompts": [[1], [2, -1]]}, ValueError, r"prompts\[1\] holds token id -1; ids are >= 0"),
         ({"prompts": [[10**6]]}, ValueError, r"holds token id 1000000; .* below the vocabulary"),
         ({"meta": {"max_k": 99}}, ValueError, r"meta must not set 'max_k'"),
+        # Saved as "tensor(3)" (it loaded back as a string), and refused only after recording:
+        ({"meta": {"seed": torch.tensor(3)}}, TypeError, r"meta\['seed'\] must be JSON"),
     ],
 )
 def test_record_traces_bad_input(tiny_pair: tuple, kwargs: dict, error: type, match: str):
@@ -351,6 +353,27 @@ def test_traces_validate_shapes_and_types() -> None:
     for args, error, match in bad:
         with pytest.raises(error, match=match):
             Traces(*args)
+    # meta that save_traces would write as something else (or not load back at all)
+    for meta, match in [
+        ([1], "meta must be a dict, got list"),
+        ({1: "x"}, "meta keys must be str"),
+        ({"shape": (1, 2)}, r"meta\['shape'\] must be JSON"),
+        ({"nested": {"seed": torch.tensor(3)}}, r"meta\['nested'\] must be JSON"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            Traces(prompts, output, tokens, logprobs, meta=meta)  # type: ignore[arg-type]
+
+
+def test_trace_meta_round_trips_and_is_checked_again_on_save(tmp_path: Path) -> None:
+    """Non-finite floats (older files hold them) load back; a value put in the dict after the
+    traces were made is named when saving (a bare json error before)."""
+    traces = traces_from_runs(torch.zeros(2, 3, dtype=torch.int64), 2)
+    traces = replace(traces, meta={"lr": math.inf, "notes": {"gap": math.nan}, "k": [1, 2]})
+    loaded = load_traces(save_traces(traces, tmp_path / "t.pt")).meta
+    assert loaded["lr"] == math.inf and math.isnan(loaded["notes"]["gap"]) and loaded["k"] == [1, 2]
+    traces.meta["where"] = tmp_path
+    with pytest.raises(TypeError, match=r"meta\['where'\] must be JSON"):
+        save_traces(traces, tmp_path / "u.pt")
 
 
 def test_traces_subset() -> None:
@@ -564,6 +587,16 @@ def test_replay_rejects_selector_breaking_the_contract(
         replay(random_run_traces, selector, slots=20)
 
 
+class Priced:
+    """Prices every step at ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def step_time(self, active: int, window: int, verified: int, context: float) -> float:
+        return self.seconds
+
+
 @pytest.mark.parametrize(
     ("args", "error", "match"),
     [
@@ -571,12 +604,21 @@ def test_replay_rejects_selector_breaking_the_contract(
         ((None, "fixed", 2), TypeError, "selector"),
         ((None, FixedWindowSelector(1), 0), ValueError, "slots"),
         ((None, FixedWindowSelector(1), 2, "cost.json"), TypeError, "cost_model must have"),
+        # Summed into totals that read as measured (seconds -32, goodput 0), before:
+        ((None, FixedWindowSelector(1), 2, Priced(-1.0)), ValueError, r"step_time\(.*got -1\.0"),
+        ((None, FixedWindowSelector(1), 2, Priced(math.nan)), ValueError, r"step_time\(.*got nan"),
     ],
 )
 def test_replay_bad_arguments(random_run_traces: Traces, args: tuple, error: type, match: str):
     traces, selector, slots, *cost_model = args
     with pytest.raises(error, match=match):
         replay(random_run_traces if traces is None else traces, selector, slots, *cost_model)
+
+
+def test_replay_refill_is_a_bool(random_run_traces: Traces) -> None:
+    """A truthy string ran as refill=True."""
+    with pytest.raises(TypeError, match="refill must be True or False, got 'no'"):
+        replay(random_run_traces, FixedWindowSelector(1), 2, refill="no")  # type: ignore[arg-type]
 
 
 class FlatSteps:
@@ -914,13 +956,19 @@ def test_selector_grid_goodput_budget() -> None:
     assert {c.budget for c in configs if c.name == "oracle"} == {None, 5}
 
 
-def test_compare_replay_runs_fresh_selectors(synthetic_traces: Traces) -> None:
+@pytest.mark.parametrize("refill", [True, False])
+def test_compare_replay_runs_fresh_selectors(synthetic_traces: Traces, refill: bool) -> None:
+    """Static batches too (``refill=False``), as compare_live runs them by default: it always
+    refilled, so no replay comparison matched a default live one."""
     configs = selector_grid(["fixed", "tetris", "dsd"], [2], [2], ["goodput"])
-    results = compare_replay(synthetic_traces, configs, slots=4)
+    results = compare_replay(synthetic_traces, configs, slots=4, refill=refill)
     assert [c for c, _ in results] == configs
     for config, result in results:
-        again = replay(synthetic_traces, config.build(default_cost_model()), 4)
+        again = replay(synthetic_traces, config.build(default_cost_model()), 4, refill=refill)
         assert result.totals == again.totals, config.label
+    if not refill:  # the two schedules differ on these traces: the argument is not ignored
+        refilled = compare_replay(synthetic_traces, configs[:1], slots=4)[0][1]
+        assert refilled.totals != results[0][1].totals
 
 
 def test_traces_summary(random_run_traces: Traces) -> None:

@@ -91,8 +91,9 @@ def test_path_scores_sum_logprobs_along_the_path(parents: torch.Tensor, rnd) -> 
 @settings(max_examples=40, deadline=None)
 @given(forests(), st.randoms(use_true_random=False))
 def test_path_reduce_combines_each_nodes_ancestors(parents: torch.Tensor, rnd) -> None:
-    """Minima and maxima over the walk up to the root, exactly (-inf and signed zeros among
-    the values); sums up to rounding."""
+    """Minima and maxima over the walk up to the root, exactly (-inf and zeros of both signs
+    among the values; equal as floats, the sign of a zero left unchecked); sums up to
+    rounding."""
     rows, nodes = parents.shape
     choices = [0.0, -0.0, float("-inf"), -1.5, 2.0]
     values = torch.tensor(

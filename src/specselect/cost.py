@@ -493,10 +493,22 @@ class CostModel:
 
         The pass is priced by the tokens it verifies, as an engine that packs each row's
         tokens runs it; a loop that pads rows to one width (``speculative_generate``) sends
-        more (docs/compare.md, "The goodput budget")."""
+        more (docs/compare.md, "The goodput budget").
+
+        Raises:
+            ValueError: ``verified`` beyond the ``batch * window`` drafted tokens, or a size
+                below 0.
+        """
         verified = check_int("verified", verified)
+        batch = check_int("batch", batch)
+        window = check_int("window", window)
+        if verified > batch * window:
+            raise ValueError(
+                f"verified ({verified}) must be at most the batch * window = {batch * window} "
+                "drafted tokens"
+            )
         return self.draft_time(batch, window, context) + self.verify_time(
-            batch, verified + check_int("batch", batch), context
+            batch, verified + batch, context
         )
 
     def predict(self, sample: CostSample) -> float:
@@ -565,8 +577,10 @@ class CostModel:
         }
 
     def save(self, path: str | Path) -> Path:
-        """Write the model as JSON (format :data:`COST_FORMAT`, version :data:`COST_VERSION`)."""
+        """Write the model as JSON (format :data:`COST_FORMAT`, version :data:`COST_VERSION`),
+        making the file's directory if it is missing (as ``save_traces`` does)."""
         target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
         return target
 

@@ -171,7 +171,9 @@ def path_reduce(
 ) -> Tensor:
     """Combine ``values`` (``[B, N]``) over each node's ancestors-or-self with ``combine``.
 
-    ``combine`` is ``torch.add``, ``torch.minimum`` or ``torch.maximum``. Pointer jumping:
+    ``parents`` (``[B, N]``) as :func:`check_parents` accepts them: node ``j``'s parent in
+    ``[-1, j)``, ``-1`` for a root. ``combine`` is ``torch.add``, ``torch.minimum`` or
+    ``torch.maximum`` (a ``ValueError`` otherwise). Pointer jumping:
     after round ``r`` every node holds the combination over its ``2**r`` nearest
     ancestors-or-self and points ``2**r`` levels up, so ``ceil(log2(N))`` rounds of gathers
     cover any depth, with no host sync and no ``[B, N, N]`` intermediate. Above the roots sits a

@@ -40,9 +40,10 @@ def make_estimator(estimator: AcceptanceEstimator | str | None) -> AcceptanceEst
         return estimator
     if isinstance(estimator, str) and estimator in ESTIMATORS:
         return ESTIMATORS[estimator]()
-    raise ValueError(
-        f"estimator must be an AcceptanceEstimator or one of {', '.join(sorted(ESTIMATORS))}, "
-        f"got {estimator!r}"
+    error = ValueError if isinstance(estimator, str) else TypeError
+    raise error(
+        f"estimator must be an AcceptanceEstimator, None or one of "
+        f"{', '.join(sorted(ESTIMATORS))}, got {estimator!r}"
     )
 
 

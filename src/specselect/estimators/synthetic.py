@@ -147,10 +147,11 @@ def synthetic_traces(
     meta = {
         "synthetic": {
             "calibration": calibration,
-            "mean": mean,
-            "request_spread": request_spread,
-            "token_spread": token_spread,
-            "seed": seed,
+            # Plain Python numbers: a NumPy scalar is no JSON value, which Traces refuse.
+            "mean": float(mean),
+            "request_spread": float(request_spread),
+            "token_spread": float(token_spread),
+            "seed": int(seed),
         }
     }
     return Traces(list(prompts), text[:, :length].contiguous(), draft_tokens, logprobs, meta)

@@ -15,7 +15,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from specselect._checks import check_int, trusted_values
+from specselect._checks import check_int, check_real, trusted_values
 from specselect.cost import CostModel, default_cost_model
 from specselect.estimators import observed_outcomes
 from specselect.metrics import StepCounts, Totals
@@ -148,6 +148,15 @@ def _check_cost_model(cost_model: object) -> CostModel:
     return cost_model  # type: ignore[return-value]
 
 
+def _step_seconds(
+    cost_model: CostModel, active: int, window: int, verified: int, context: float
+) -> float:
+    """The cost model's time for a step, checked: a negative or NaN time would sum into
+    totals (and goodput) that read as measured."""
+    seconds = cost_model.step_time(active, window, verified, context)
+    return check_real(f"cost_model.step_time({active}, {window}, {verified}, ...)", seconds, low=0)
+
+
 def _draft_window(selector: Selector, num_active: int, max_k: int, most_remaining: int) -> int:
     """The step's draft length, checked against the traces, and cut as the live loop cuts it
     (:func:`~specselect.selection.draftable_depth`)."""
@@ -174,6 +183,8 @@ def iter_replay(
     if not isinstance(selector, Selector):
         raise TypeError(f"selector must be a specselect Selector, got {type(selector).__name__}")
     slots = check_int("slots", slots, minimum=1)
+    if not isinstance(refill, bool):  # a truthy string would refill
+        raise TypeError(f"refill must be True or False, got {refill!r}")
     cost_model = default_cost_model() if cost_model is None else _check_cost_model(cost_model)
     n, length = traces.num_requests, traces.max_new_tokens
     selector.reset()
@@ -240,7 +251,7 @@ def _replay_step(
         verified=verified,
         accepted=accepted_total,
         emitted=accepted_total + num_active,
-        seconds=cost_model.step_time(num_active, window, verified, context),
+        seconds=_step_seconds(cost_model, num_active, window, verified, context),
     )
     return ReplayStep(
         index,
@@ -338,7 +349,10 @@ def replay(
         refill: refill slots as soon as they free up (a serving stream) or only in waves.
 
     Raises:
-        ValueError: the selector asks for a window longer than the traces' ``max_k``.
+        ValueError: the selector asks for a window longer than the traces' ``max_k``, or the
+            cost model prices a step at a negative or non-finite time.
+        TypeError: ``refill`` is not a bool, or the cost model prices a step with something
+            other than a number.
     """
     traces = _check_traces(traces)
     n = traces.num_requests

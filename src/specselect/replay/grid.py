@@ -122,7 +122,8 @@ def selector_grid(
     configuration with it at every ``k`` and ``extra``, planned with the comparison's cost
     model. ``"oracle"`` is accepted besides the registry names, and a name may carry
     an acceptance estimator for selectors that take one: ``"tetris+calibrated"``,
-    ``"tetris+history"`` (the learned request-history estimate alone), ``"tetris+none"`` (the
+    ``"tetris+history"`` (the learned request-history estimate, no choice; the guard stays),
+    ``"tetris+none"`` (the
     paper: no estimator, no guard); see :func:`~specselect.registry.parse_spec`. Specs that
     configure the same selector (``"tetris"`` and ``"tetris+choice"``, its default estimator)
     give one set of configurations, under the first spelling, as repeated grid values give one.
@@ -197,11 +198,14 @@ def compare_replay(
     context: float | None = None,
     *,
     progress: bool = False,
+    refill: bool = True,
 ) -> list[tuple[SelectorConfig, ReplayResult]]:
     """Replay every configuration over the same traces (each with a fresh selector).
 
     ``cost_model`` prices the steps and is given to selectors that take one (DSD); None:
-    :func:`~specselect.cost.default_cost_model`.
+    :func:`~specselect.cost.default_cost_model`. ``refill`` as in
+    :func:`~specselect.replay.replay`: ``False`` replays static batches, as
+    :func:`~specselect.replay.compare_live` runs them by default.
     """
     cost_model = default_cost_model() if cost_model is None else cost_model
     results = []
@@ -212,5 +216,6 @@ def compare_replay(
         iterator = tqdm(configs, desc="replaying", unit="config", leave=False)
     for config in iterator:
         selector = config.build(cost_model)
-        results.append((config, replay(traces, selector, slots, cost_model, context)))
+        result = replay(traces, selector, slots, cost_model, context, refill=refill)
+        results.append((config, result))
     return results

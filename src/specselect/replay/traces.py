@@ -77,7 +77,8 @@ class Traces:
         output_ids: ``[N, T]`` int64, the target's greedy output (EOS does not stop it).
         draft_tokens: ``[N, T, K_max]`` int64, the draft's greedy continuation at each position.
         draft_logprobs: ``[N, T, K_max]`` float32, the draft's log-probability of each of them.
-        meta: JSON-compatible description (models, dtype, versions, ...).
+        meta: JSON-compatible description (models, dtype, versions, ...): str keys, values
+            that a JSON round trip gives back as they are (else a ``TypeError``).
     """
 
     prompt_ids: list[Tensor]
@@ -113,6 +114,7 @@ class Traces:
             )
         for i, prompt in enumerate(self.prompt_ids):
             check_integer_tensor(f"prompt_ids[{i}]", prompt, rank=1, what="of token ids")
+        _check_meta(self.meta)
 
     @property
     def num_requests(self) -> int:
@@ -198,17 +200,19 @@ def save_traces(traces: Traces, path: str | Path) -> Path:
 
     Raises:
         IsADirectoryError: ``path`` is a directory (torch's own error names no path).
+        TypeError: ``traces.meta`` no longer holds JSON values (see :class:`Traces`).
     """
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{str(path)!r} is a directory; name the .pt file to write")
+    _check_meta(traces.meta)  # again: the dict may have changed since the traces were made
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": TRACE_FORMAT,
         "version": TRACE_VERSION,
-        # A JSON round trip turns str subclasses (torch.__version__) and paths into plain
-        # strings, which weights_only unpickling accepts.
-        "meta": json.loads(json.dumps(traces.meta, default=str)),
+        # A JSON round trip turns str subclasses (torch.__version__) into plain strings, which
+        # weights_only unpickling accepts.
+        "meta": json.loads(json.dumps(traces.meta)),
         "prompt_ids": [p.to(torch.int64).cpu() for p in traces.prompt_ids],
         "output_ids": traces.output_ids.cpu(),
         "draft_tokens": traces.draft_tokens.cpu(),
@@ -497,7 +501,7 @@ def record_traces(
     Raises:
         TypeError, ValueError: a prompt that is not a non-empty 1-D sequence of token ids
             within the target's vocabulary (named ``prompts[i]``), sizes < 1, or ``meta``
-            setting a recorded key.
+            setting a recorded key or holding a value JSON does not give back as it is.
     """
     check_int("max_new_tokens", max_new_tokens, minimum=1)
     check_int("max_k", max_k, minimum=1)
@@ -507,6 +511,7 @@ def record_traces(
     vocab = _vocab_size(target)
     prompt_ids = [_as_prompt(p, i, vocab) for i, p in enumerate(prompts)]
     n = len(prompt_ids)
+    _check_meta({} if meta is None else meta)  # before the recording, not after it
     clash = sorted(set(meta or {}) & set(RECORDED_META))
     if clash:
         raise ValueError(
@@ -545,6 +550,34 @@ def record_traces(
         draft_logprobs=draft_logprobs.reshape(n, max_new_tokens, max_k),
         meta=info,
     )
+
+
+def _check_meta(meta: object) -> None:
+    """``meta`` as :class:`Traces` holds it: a dict of str keys whose values a JSON round trip
+    gives back as they are (:func:`save_traces` writes them so; a tuple or a tensor would load
+    back as something else, and a value JSON cannot hold would make an unreadable file)."""
+    if not isinstance(meta, dict):
+        raise TypeError(f"meta must be a dict, got {type(meta).__name__}")
+    for key, value in meta.items():
+        if not isinstance(key, str):
+            raise TypeError(f"meta keys must be str (JSON object keys), got {key!r}")
+        if not _json_value(value):
+            raise TypeError(
+                f"meta[{key!r}] must be JSON: dicts with str keys, lists, str, int, float, "
+                f"bool or None (save_traces writes it as JSON), got {value!r}"
+            )
+
+
+def _json_value(value: object) -> bool:
+    """Whether JSON gives ``value`` back as it is (non-finite floats included: Python's json
+    writes and reads them, and older trace files hold them)."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return True
+    if isinstance(value, list):
+        return all(_json_value(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_value(v) for k, v in value.items())
+    return False
 
 
 def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
