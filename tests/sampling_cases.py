@@ -10,6 +10,7 @@ import functools
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -30,12 +31,15 @@ def sampling_pair():
 
 
 def hf_probs(logits: torch.Tensor, config: dict[str, float]) -> torch.Tensor:  # [N, V] -> [N, V]
-    """Target distribution after HF's warpers, in generate()'s order (temperature, k, p)."""
+    """Target distribution after HF's warpers, in generate()'s order (temperature, k, p,
+    min-p)."""
     warpers = LogitsProcessorList([TemperatureLogitsWarper(config["temperature"])])
     if "top_k" in config:
         warpers.append(TopKLogitsWarper(int(config["top_k"])))
     if "top_p" in config:
         warpers.append(TopPLogitsWarper(config["top_p"]))
+    if "min_p" in config:
+        warpers.append(MinPLogitsWarper(config["min_p"]))
     return torch.softmax(warpers(None, logits.double()), dim=-1)
 
 

@@ -317,6 +317,7 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
     ("generator type", "generator", lambda m: 42, TypeError, "generator must be"),
     ("temperature 0", "temperature", lambda m: 0.0, ValueError, "temperature"),
     ("top_p > 1", "top_p", lambda m: 1.5, ValueError, "top_p"),
+    ("min_p > 1", "min_p", lambda m: 1.5, ValueError, r"min_p must be in \[0, 1\]"),
     ("top_k negative", "top_k", lambda m: -3, ValueError, "top_k"),
     (
         "beam search config",
@@ -390,7 +391,7 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
 )
 def test_bad_input_raises(models, argument, build, error, pattern) -> None:
     overrides = {argument: build(models)}
-    if argument in ("temperature", "top_p", "top_k"):
+    if argument in ("temperature", "top_p", "top_k", "min_p"):
         overrides["do_sample"] = True
     with pytest.raises(error, match=pattern):
         call(models, **overrides)
@@ -568,7 +569,8 @@ def test_model_config_options_are_checked_with_a_caller_config(models) -> None:
 
 
 def test_sampling_only_warpers_do_not_block_greedy_decoding(models) -> None:
-    """generate() applies min_p and friends only when sampling: greedy runs, sampling raises."""
+    """generate() applies typical_p and friends only when sampling: greedy runs, sampling
+    raises."""
     config = GenerationConfig(min_p=0.1, typical_p=0.9, top_h=0.5)
     assert call(models, generation_config=config).sequences.shape == (4, 6 + 4)
     with pytest.raises(ValueError, match=r"top_h=0\.5"):

@@ -33,6 +33,7 @@ CONFIGS = {
     "t1": {"temperature": 1.0},
     "t0.7-topk5": {"temperature": 0.7, "top_k": 5},
     "t1.3-topp0.8": {"temperature": 1.3, "top_p": 0.8},
+    "t1.2-minp0.25": {"temperature": 1.2, "min_p": 0.25},
 }
 
 

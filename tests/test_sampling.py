@@ -37,6 +37,25 @@ def reference_warp(
     return x
 
 
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3, 0.9, 1.0])
+@pytest.mark.parametrize(("top_k", "top_p"), [(None, None), (5, None), (None, 0.8)])
+def test_min_p_is_hfs_warper_after_the_others(
+    min_p: float, top_k: int | None, top_p: float | None
+) -> None:
+    """As generate() applies it: after temperature, top-k and top-p, a token less likely than
+    min_p times its row's most likely one is removed (that one always stays)."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    logits = random_logits(6, 8, seed=3)  # [B, V]
+    before = warp_logits(logits, temperature=0.7, top_k=top_k, top_p=top_p)
+    got = warp_logits(logits, temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p)
+    expected = before if min_p == 0.0 else MinPLogitsWarper(min_p)(None, before.clone())
+    assert torch.equal(got, expected)
+    assert torch.isfinite(got).sum(dim=-1).min() >= 1
+    if 0.0 < min_p < 1.0 and top_k is None and top_p is None:  # the case removes something
+        assert torch.isinf(got).sum() > torch.isinf(before).sum()
+
+
 def random_logits(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Continuous random logits (no ties) with a fixed seed."""
     gen = torch.Generator().manual_seed(seed)
@@ -123,6 +142,10 @@ def test_half_precision_inputs_are_processed_in_float32(dtype: torch.dtype) -> N
         ({"top_p": -0.1}, ValueError, "top_p"),
         ({"top_p": math.nan}, ValueError, "top_p"),
         ({"top_p": "0.9"}, TypeError, "top_p"),
+        ({"min_p": -0.1}, ValueError, "min_p"),
+        ({"min_p": 1.5}, ValueError, "min_p"),
+        ({"min_p": math.nan}, ValueError, "min_p"),
+        ({"min_p": "0.1"}, TypeError, "min_p"),
     ],
 )
 @pytest.mark.parametrize("function", [warp_logits, logits_to_probs])

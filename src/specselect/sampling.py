@@ -3,9 +3,10 @@
 Speculative sampling is lossless only if the draft distribution ``q`` and the target distribution
 ``p`` that verification compares are exactly the distributions the tokens are (or would be)
 sampled from. Both models therefore go through the same :func:`warp_logits` (temperature, top-k,
-top-p) and the same :func:`sample_from`. Everything is batched over any leading dimensions, stays
-on the input's device, keeps static shapes and never reads a value back to the host, so a
-decoding loop can call it between two forward passes or capture it in a CUDA graph.
+top-p, min-p) and the same :func:`sample_from`. Everything is batched over any leading
+dimensions, stays on the input's device, keeps static shapes and never reads a value back to
+the host, so a decoding loop can call it between two forward passes or capture it in a CUDA
+graph.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def warp_logits(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
 ) -> Tensor:  # [..., V]
-    """Apply temperature, then top-k, then top-p to logits.
+    """Apply temperature, then top-k, then top-p, then min-p to logits (``generate``'s order).
 
     Args:
         logits: ``[..., V]`` floating logits (any leading shape: ``[B, V]``, ``[B, K, V]``, ...).
@@ -48,6 +50,9 @@ def warp_logits(
         top_p: keep the smallest set of most likely tokens whose probability (after temperature
             and top-k) reaches ``top_p``; the most likely token is always kept. ``None`` or
             ``1.0`` keeps everything.
+        min_p: keep the tokens whose probability (after the above) is at least ``min_p`` times
+            their row's largest, as HF's ``MinPLogitsWarper``; the most likely token is always
+            kept. ``None`` or ``0`` keeps everything.
 
     Returns:
         ``[..., V]`` logits in float32 or wider, with removed tokens at ``-inf``. Each row is
@@ -58,12 +63,15 @@ def warp_logits(
     temperature = check_temperature(temperature)
     top_k = None if top_k is None else check_int("top_k", top_k, minimum=1)
     top_p = None if top_p is None else check_top_p(top_p)
+    min_p = None if min_p is None else check_min_p(min_p)
     warped = logits.to(compute_dtype(logits.dtype)) / temperature
     vocab = warped.shape[-1]
     if top_k is not None and top_k < vocab:
         warped = _apply_top_k(warped, top_k)
     if top_p is not None and top_p < 1.0:
         warped = _apply_top_p(warped, top_p)
+    if min_p:
+        warped = _apply_min_p(warped, min_p)
     return warped
 
 
@@ -72,13 +80,14 @@ def logits_to_probs(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
 ) -> Tensor:  # [..., V]
     """Softmax of :func:`warp_logits`: the distribution a token is sampled from.
 
     Returns:
         ``[..., V]`` probabilities in float32 or wider; removed tokens get exactly 0.
     """
-    return torch.softmax(warp_logits(logits, temperature, top_k, top_p), dim=-1)
+    return torch.softmax(warp_logits(logits, temperature, top_k, top_p, min_p), dim=-1)
 
 
 def sample_from(
@@ -129,6 +138,26 @@ def _apply_top_p(logits: Tensor, top_p: float) -> Tensor:  # [..., V] -> [..., V
     remove_sorted = mass_before >= top_p
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     return logits.masked_fill(remove, NEG_INF)
+
+
+def _apply_min_p(logits: Tensor, min_p: float) -> Tensor:  # [..., V] -> [..., V]
+    """Remove the tokens less likely than ``min_p`` times their row's most likely one.
+
+    Compared as probabilities, as HF's ``MinPLogitsWarper`` compares them (in log space the
+    cut could round the other way at the boundary). The most likely token is at the threshold
+    or above (``min_p <= 1``) and always stays, which HF ensures by keeping one token.
+    """
+    probs = torch.softmax(logits, dim=-1)  # [..., V]
+    return logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), NEG_INF)
+
+
+def check_min_p(value: object) -> float:
+    """Return ``value`` as a float, or raise unless it lies in ``[0, 1]`` (0: keep every token)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"min_p must be a float in [0, 1], got {type(value).__name__}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {value}")
+    return float(value)
 
 
 def check_temperature(value: object) -> float:

@@ -37,16 +37,17 @@ MAX_BACKLOG = 16
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen: greedy, or sampling with temperature / top-k / top-p."""
+    """How tokens are chosen: greedy, or sampling with temperature / top-k / top-p / min-p."""
 
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
 
     def probs(self, logits: Tensor) -> Tensor:  # [..., V] -> [..., V] float32+
         """The processed distribution tokens are sampled from (sampling mode)."""
-        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,7 @@ def speculative_generate(
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     eos_token_id: Any = UNSET,
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
@@ -170,6 +171,8 @@ def speculative_generate(
         top_k: keep the ``top_k`` most likely tokens when sampling (unset anywhere: 50, as in
             ``generate``; 0 keeps every token).
         top_p: nucleus sampling threshold.
+        min_p: when sampling, drop the tokens less likely than ``min_p`` times the most likely
+            one (after the above), as ``generate``'s ``min_p``.
         eos_token_id: id or ids that end a row. Not given: the configs' (as ``generate``);
             ``None`` or ``[]``: no EOS (as ``generate`` with an explicit ``None``).
         pad_token_id: fills rows after their EOS (default: the config's, else the first EOS).
@@ -235,6 +238,7 @@ def speculative_generate(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        min_p=min_p,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
     )

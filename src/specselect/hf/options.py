@@ -24,7 +24,7 @@ from transformers import GenerationConfig
 
 from specselect._checks import check_int
 from specselect.hf.draft import SamplingParams
-from specselect.sampling import check_temperature, check_top_p
+from specselect.sampling import check_min_p, check_temperature, check_top_p
 
 
 class _Unset:
@@ -105,7 +105,7 @@ _UNSUPPORTED_OUTPUTS: dict[str, tuple[object, ...]] = {
 # Why _reject_unsupported refuses a field of each table (completing "... by
 # speculative_generate,").
 _NOT_A_DECODING_MODE = (
-    "which implements greedy decoding and sampling with temperature/top-k/top-p only"
+    "which implements greedy decoding and sampling with temperature/top-k/top-p/min-p only"
 )
 _NOT_AN_OUTPUT = (
     "which returns the sequences and its own statistics only (no scores, logits, attentions "
@@ -114,14 +114,13 @@ _NOT_AN_OUTPUT = (
 
 # The keyword arguments that only sampling reads: a greedy call given one (other than its
 # global default) is warned, as generate() warns, since it is ignored.
-_SAMPLING_ARGUMENTS = ("temperature", "top_k", "top_p")
+_SAMPLING_ARGUMENTS = ("temperature", "top_k", "top_p", "min_p")
 
 # Warpers generate() applies only when sampling: they change nothing in greedy decoding, where
 # generate() ignores them too.
 _UNSUPPORTED_WHEN_SAMPLING: dict[str, tuple[object, ...]] = {
     "top_h": (None,),
     "typical_p": (None, 1, 1.0),
-    "min_p": (None, 0, 0.0),
     "epsilon_cutoff": (None, 0, 0.0),
     "eta_cutoff": (None, 0, 0.0),
 }
@@ -156,9 +155,9 @@ def resolve_options(
         position_limit: the target config's ``max_position_embeddings``, which caps the default
             length (prompt plus the default ``max_length`` new tokens), as in ``generate``.
         overrides: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-            ``eos_token_id``, ``pad_token_id``; they override everything. ``None`` means not
-            given, except for ``eos_token_id``, where it means "no EOS" as in ``generate`` and
-            :data:`UNSET` means not given.
+            ``min_p``, ``eos_token_id``, ``pad_token_id``; they override everything. ``None``
+            means not given, except for ``eos_token_id``, where it means "no EOS" as in
+            ``generate`` and :data:`UNSET` means not given.
     """
     config, explicit_max_length = merge_generation_config(
         generation_config, default_config, overrides
@@ -268,7 +267,10 @@ def _sampling(config: GenerationConfig) -> SamplingParams:
     top_k = config.top_k
     top_k = None if top_k in (None, 0) else check_int("top_k", top_k, minimum=1)
     top_p = None if config.top_p is None else check_top_p(config.top_p)
-    return SamplingParams(True, temperature, top_k, None if top_p == 1.0 else top_p)
+    min_p = None if config.min_p is None else check_min_p(config.min_p)
+    return SamplingParams(
+        True, temperature, top_k, None if top_p == 1.0 else top_p, min_p if min_p else None
+    )
 
 
 def _token_ids(name: str, value: object) -> tuple[int, ...]:
