@@ -36,8 +36,8 @@ or negative; the selector comparison is in tokens per step and VSR.
 ``--ops`` adds a table of the operations the loop dispatches per step outside the two models'
 forward passes (plain decoding, ``selector=None``, first), counted in one more run, eager: on a
 GPU each is a kernel, captured or not, so it is the loop's own share of a step, countable
-without one. Views launch nothing
-and are not counted; nor are builds of cached constants, which a warmed-up step reuses.
+without one. Views launch nothing and are not counted; nor are builds of cached constants,
+which a warmed-up step reuses.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from specselect._checks import (
     check_same_device,
     values_trusted,
 )
-from specselect.constants import cached_constant
+from specselect.constants import arange_constant, cached_constant
 
 MAX_NGRAM = 4  # the longest suffix looked up
 LOOKUP_WINDOW = 256  # committed tokens searched, the most recent ones
@@ -70,7 +70,7 @@ def lookup_matches(
     suffix = _suffixes(window, filled, path_tokens, depth)  # [B, N, M], -2 where none
     # shifted[b, i, q] = window[b, q - i - 1]: the token i + 1 before follower position q.
     start = width - filled  # [B] first filled column
-    columns = cached_constant(("lookup_columns", width, window.device), _columns)  # [W]
+    columns = arange_constant(width, window.device)  # [W]
     source = cached_constant(("lookup_sources", width, window.device), _sources)  # [M, W]
     readable = source.unsqueeze(0) >= start.view(rows, 1, 1)  # [B, M, W]
     shifted = window.gather(1, source.clamp(min=0).view(1, -1).expand(rows, -1))

@@ -37,7 +37,7 @@ from specselect._checks import (
     outside_autograd,
     values_trusted,
 )
-from specselect.constants import cached_constant
+from specselect.constants import arange_constant, cached_constant
 from specselect.cost import CostModel
 from specselect.estimators import (
     NO_ESTIMATOR,
@@ -139,12 +139,8 @@ class Selection:
 
 def prefix_mask(lengths: Tensor, width: int) -> Tensor:
     """``[B, width]`` bool mask with the first ``lengths[i]`` entries of row ``i`` set."""
-    columns = cached_constant(("columns", width, lengths.device), _columns)  # [1, width]
+    columns = arange_constant(width, lengths.device)  # [width]
     return columns < lengths.unsqueeze(1)
-
-
-def _columns(width: int, device: torch.device) -> Tensor:
-    return torch.arange(width, device=device).unsqueeze(0)
 
 
 def chain_scores(draft_logprobs: Tensor) -> Tensor:
@@ -1090,7 +1086,7 @@ def window_selection(
 
 
 def _window(width: int, window: int, device: torch.device) -> Tensor:  # -> [1, width] bool
-    return _columns(width, device) < window
+    return torch.arange(width, device=device).unsqueeze(0) < window
 
 
 def window_tree_selection(

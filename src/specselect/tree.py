@@ -192,13 +192,19 @@ def path_reduce(
     if rounds == 0:
         return values.to(dtype, copy=True)
     total = F.pad(values.to(dtype), (0, 1), value=identity)  # [B, N + 1]
-    # A root's -1 and the sentinel's own -1 both become N, the sentinel's column.
-    up = F.pad(parents.to(torch.int64), (0, 1), value=-1).remainder_(nodes + 1)  # [B, N + 1]
+    up = _sentinel_parents(parents)  # [B, N + 1]
     for round_ in range(rounds):
         total = combine(total, total.gather(1, up))
         if round_ + 1 < rounds:
             up = up.gather(1, up)
     return total[:, :nodes]
+
+
+def _sentinel_parents(parents: Tensor) -> Tensor:  # [B, N] -> [B, N + 1] int64
+    """``parents`` with a sentinel column ``N`` above the roots: a root's ``-1`` and the
+    sentinel's own become ``N``, so walking up is a gather that never leaves the tensor."""
+    nodes = parents.shape[1]
+    return F.pad(parents.to(torch.int64), (0, 1), value=-1).remainder_(nodes + 1)
 
 
 def sibling_rank(parents: Tensor) -> Tensor:
@@ -266,8 +272,7 @@ def build_tree_buffers(parents: Tensor, max_depth: int | None = None) -> TreeBuf
     bound = n if max_depth is None else check_int("max_depth", max_depth)
     # up[i, j, s]: the ancestor s levels above node j (s = 0: j itself; N above the root).
     node_ids = arange_constant(n, parents.device).expand(rows, n)  # [B, N]
-    # Above the roots sits a sentinel column N that points at itself: one gather a level.
-    jump = F.pad(parents, (0, 1), value=-1).remainder_(n + 1)  # [B, N + 1]
+    jump = _sentinel_parents(parents)  # [B, N + 1]: one gather a level
     node = node_ids
     steps = []
     for _ in range(bound):

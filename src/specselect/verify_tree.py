@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from specselect._checks import _values_checkable, check_int, check_same_device, check_tensor
+from specselect.constants import arange_constant
 from specselect.sampling import (
     check_generator,
     check_logits,
@@ -181,7 +182,7 @@ def tree_greedy_verify(
     survives = ~(buffers.ancestors & ~good.unsqueeze(1)).any(dim=2)  # [B, N]
     nodes = tokens.shape[1]
     # Deepest survivor, lowest index among equals: one argmax over a combined key.
-    index = torch.arange(nodes, device=tokens.device)
+    index = arange_constant(nodes, tokens.device)
     key = torch.where(survives, buffers.depth * (nodes + 1) + (nodes - index), 0)  # [B, N]
     last = _deepest(key)
     next_token = argmax.gather(1, (last + 1).unsqueeze(1)).squeeze(1)

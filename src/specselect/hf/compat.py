@@ -329,12 +329,8 @@ def special_token_ids(model: nn.Module) -> dict[str, tuple[int, ...]]:
     found: dict[str, tuple[int, ...]] = {}
     sources = (model.config, getattr(model, "generation_config", None))
     for key in _SPECIAL_IDS:
-        ids = {
-            i
-            for source in sources
-            if source is not None and getattr(source, key, None) is not None
-            for i in _normalise_ids(getattr(source, key))
-        }
+        values = [getattr(source, key, None) for source in sources if source is not None]
+        ids = {i for value in values if value is not None for i in _normalise_ids(value)}
         if ids:
             found[key] = tuple(sorted(ids))
     return found

@@ -581,7 +581,7 @@ class TreeStep(Step):
         ).to(state.device)  # [b, W + 1, V]
         logits = _place(logits, sent, nodes + 1)  # [b, N + 1, V]
         verdict = self._verdict(tree, buffers, selected, logits, plan.width)
-        node_ids = torch.arange(nodes, device=state.device)
+        node_ids = arange_constant(nodes, state.device)
         on_path = (node_ids.view(1, -1, 1) == verdict.path.unsqueeze(1)).any(dim=2)  # [b, N]
         kept = torch.cat([torch.ones_like(active), on_path], dim=1)  # [b, N + 1]
         state.target.commit(_pick(kept, sent))

@@ -123,8 +123,8 @@ def selector_grid(
     model. ``"oracle"`` is accepted besides the registry names, and a name may carry
     an acceptance estimator for selectors that take one: ``"tetris+calibrated"``,
     ``"tetris+history"`` (the learned request-history estimate, no choice; the guard stays),
-    ``"tetris+none"`` (the
-    paper: no estimator, no guard); see :func:`~specselect.registry.parse_spec`. Specs that
+    ``"tetris+none"`` (the paper: no estimator, no guard); see
+    :func:`~specselect.registry.parse_spec`. Specs that
     configure the same selector (``"tetris"`` and ``"tetris+choice"``, its default estimator)
     give one set of configurations, under the first spelling, as repeated grid values give one.
 
