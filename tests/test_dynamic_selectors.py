@@ -540,3 +540,14 @@ def test_dsd_does_not_probe_without_active_rows() -> None:
     selector = DSDSelector(max_k=4, cost_model=cost, interval=1, alpha0=0.01)
     assert [selector.draft_length(0) for _ in range(4)] == [0, 0, 0, 0]
     assert [selector.draft_length(2) for _ in range(2)] == [0, 1]  # (probing goes on)
+
+
+def test_dsd_with_max_k_zero_never_drafts() -> None:
+    """``max_k = 0`` is plain decoding: no probe drafts a token it may not draft."""
+    selector = DSDSelector(max_k=0, interval=1)
+    windows = []
+    for _ in range(6):
+        windows.append(selector.draft_length(2))
+        selector.select(torch.zeros(2, windows[-1]))
+        selector.observe([0, 0], [0, 0])
+    assert windows == [0] * 6

@@ -433,6 +433,22 @@ def test_a_model_decoding_with_dropout_warns(models, dropout: float) -> None:
         assert module.training is not name.startswith("model.layers.0")
 
 
+def test_a_head_s_dropout_a_causal_lm_never_runs_does_not_warn() -> None:
+    """GPT-2's config keeps ``summary_first_dropout`` for its classification heads: with every
+    dropout the LM runs at 0, training mode decodes as eval mode does, and is not warned of."""
+    off = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, **off)
+    assert config.summary_first_dropout > 0
+    target = GPT2LMHeadModel(config).train()
+    ids, mask = left_padded_prompts(2, 2, 6, VOCAB, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = speculative_generate(target, None, ids, mask, selector=None, max_new_tokens=3)
+    assert not [w for w in caught if "training mode with dropout" in str(w.message)]
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+    assert torch.equal(out.sequences, expected)
+
+
 def test_selector_with_negative_draft_length(models) -> None:
     class Broken(type(make_selector("fixed", k=1))):
         def draft_length(self, num_active: int) -> int:
@@ -746,6 +762,21 @@ def test_a_stop_or_pad_token_set_in_the_generation_config_keeps_the_pair(models,
     ids, mask = left_padded_prompts(4, 2, 6, VOCAB, 0)
     out = call((changed, draft), max_new_tokens=6)
     expected = changed.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    assert torch.equal(out.sequences, expected)
+
+
+def test_another_pad_token_in_both_target_configs_keeps_the_pair(models) -> None:
+    """A pad id is a decoding setting (the "pad = EOS" idiom), not another tokenizer: a target
+    whose config and generation config both pad with another id than the draft's pairs, and
+    an explicit pad_token_id rules."""
+    target, draft = models
+    changed = copy.deepcopy(target)
+    changed.config.pad_token_id = changed.generation_config.pad_token_id = 5
+    ids, mask = left_padded_prompts(4, 2, 6, VOCAB, 0)
+    out = call((changed, draft), max_new_tokens=6, pad_token_id=0)
+    expected = changed.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=6, pad_token_id=0
+    )
     assert torch.equal(out.sequences, expected)
 
 

@@ -348,9 +348,9 @@ def test_observe_gets_each_rows_deepest_verified_depth() -> None:
         expected.append(depths[active[-1]].tolist())
         update(selection, *args, **kwargs)  # type: ignore[arg-type]
 
-    def spy_observe(verified, accepted, deepest=None, active=None) -> None:
+    def spy_observe(verified, accepted, deepest=None, active=None, **kwargs: object) -> None:
         observed.append(list(deepest))
-        observe(verified, accepted, deepest, active)
+        observe(verified, accepted, deepest, active, **kwargs)  # type: ignore[arg-type]
 
     with pytest.MonkeyPatch.context() as patch:
         for name, spy in (("select", spy_select), ("update", spy_update), ("observe", spy_observe)):

@@ -158,6 +158,7 @@ def _push(**changes: object) -> None:
         ({"tokens": torch.ones(3, 2, dtype=torch.int64)}, ValueError, r"tokens must have shape"),
         ({"window": torch.zeros(2, 4)}, TypeError, r"window must be a \[B, W\] int64 tensor"),
         ({"counts": torch.tensor([1.0, 1.0])}, TypeError, r"counts must be an integer tensor"),
+        ({"tokens": torch.tensor([[1, -1, 3], [4, 5, 6]])}, ValueError, r"tokens must be >= 0"),
     ],
 )
 def test_push_tokens_refuses_bad_input(changes: dict, error: type, says: str) -> None:
@@ -174,3 +175,16 @@ def test_lookup_features_refuse_paths_of_another_shape() -> None:
     assert lookup_features(window, filled, tokens, chain_paths(3, window.device)).shape == (2, 3, 4)
     with pytest.raises(ValueError, match=r"paths must be \[B, N, D\] or \[N, D\] with B = 2"):
         lookup_features(window, filled, tokens, chain_paths(4, window.device))
+
+
+def test_lookup_features_refuse_negative_tokens_and_paths_out_of_range() -> None:
+    """A token id of -1 matched the marker of an unreadable window column ("contradicts" with
+    an empty window); a path entry out of range failed in an index op, naming nothing."""
+    window, filled = torch.zeros(2, 8, dtype=torch.int64), torch.tensor([0, 8])
+    tokens = torch.ones(2, 3, dtype=torch.int64)
+    paths = chain_paths(3, window.device)
+    with pytest.raises(ValueError, match="tokens must be >= 0"):
+        lookup_features(window, filled, tokens - 2, paths)
+    for bad in (paths + 3, paths - 1):
+        with pytest.raises(ValueError, match=r"paths must hold node indices in \[-1, 3\)"):
+            lookup_features(window, filled, tokens, bad)

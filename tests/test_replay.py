@@ -998,17 +998,27 @@ class ObserveSpy(FixedWindowSelector):
         super().__init__(k)
         self.observed: list[tuple[list[int], ...]] = []
         self.active: list[list[bool] | None] = []  # the rows of each observe call
+        self.remaining: list[list[int] | None] = []
+        self.waiting: list[bool | None] = []
 
     def _observe(self, outcomes: Outcomes) -> None:
         self.observed.append((outcomes.verified, outcomes.accepted, outcomes.deepest))
         self.active.append(outcomes.active)
+        self.remaining.append(outcomes.remaining)
+        self.waiting.append(outcomes.waiting)
 
 
-def test_replay_calls_observe_with_each_steps_outcomes(random_run_traces: Traces) -> None:
+@pytest.mark.parametrize("refill", [True, False], ids=["refill", "static"])
+def test_replay_calls_observe_with_each_steps_outcomes(
+    random_run_traces: Traces, refill: bool
+) -> None:
     """Once per step, after update: the active slots' verified and accepted counts (and, for
-    these chains, the verified counts as the deepest verified depths), and which slots."""
+    these chains, the verified counts as the deepest verified depths), which slots, the
+    tokens each may still emit, and whether requests wait for a slot (never in a static
+    batch, which nobody joins)."""
     spy = ObserveSpy(2)
-    steps = list(iter_replay(random_run_traces, spy, slots=3))
+    traces = random_run_traces
+    steps = list(iter_replay(traces, spy, slots=3, refill=refill))
     assert spy.observed == [
         (verified, s.accepted[s.active].tolist(), verified)
         for s in steps
@@ -1016,6 +1026,16 @@ def test_replay_calls_observe_with_each_steps_outcomes(random_run_traces: Traces
     ]
     assert spy.active == [s.active.tolist() for s in steps]
     assert any(len(verified) < 3 for verified, *_ in spy.observed)  # inactive slots left out
+    emitted = [(s.positions + s.accepted + 1).clamp(max=traces.max_new_tokens) for s in steps]
+    assert spy.remaining == [
+        (traces.max_new_tokens - done[s.active]).tolist()
+        for s, done in zip(steps, emitted, strict=True)
+    ]
+    assert 0 in spy.remaining[-1]  # the last step finishes a request
+    started = [int(s.requests.max()) + 1 for s in steps]  # requests enter in trace order
+    queued = [refill and count < traces.num_requests for count in started]
+    assert spy.waiting == queued
+    assert any(queued) == refill and not queued[-1]
 
 
 LIVE_CONFIGS = {name: selector_grid([name], [2], [2])[0] for name in SELECTORS}

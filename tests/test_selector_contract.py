@@ -25,7 +25,7 @@ from conftest import OneDevicePerOp, random_logprobs
 from specselect import make_selector
 from specselect._checks import trusted_values
 from specselect.estimators import AcceptanceEstimator
-from specselect.selection import Selection, Selector, prefix_mask
+from specselect.selection import CaptureToken, Selection, Selector, prefix_mask
 from specselect.selectors import SELECTORS
 from specselect.tree import available_nodes, chain_parents
 
@@ -459,6 +459,8 @@ class Broken(Selector):
             return Selection(torch.ones(rows, dtype=torch.int64), mask)
         if self.how == "int32":
             return Selection(lengths.to(torch.int32), prefix_mask(lengths, width))
+        if self.how == "a tuple":
+            return (lengths, prefix_mask(lengths, width))  # type: ignore[return-value]
         return Selection.from_lengths(lengths, width)  # everything: past -inf, inactive rows
 
     def _select_tree(self, draft_logprobs, active, parents, depth) -> Selection:
@@ -495,6 +497,11 @@ def test_a_selector_s_broken_answer_is_named(
     loop = trusted_values() if inside_a_loop else contextlib.nullcontext()
     with loop, pytest.raises(RuntimeError, match=says):
         Broken(how).select(logprobs, parents=parents)
+
+
+def test_a_selector_that_answers_no_selection_is_named() -> None:
+    with pytest.raises(TypeError, match=r"Broken must select a specselect Selection.*got tuple"):
+        Broken("a tuple").select(torch.full((BATCH, 3), -0.5))
 
 
 def test_an_inactive_row_must_select_nothing() -> None:
@@ -575,6 +582,25 @@ def test_a_selector_pickles_with_what_it_learned(name: str) -> None:
     copy_ = pickle.loads(pickle.dumps(selector))
     probe = drafted(selector, seed=9)
     assert torch.equal(copy_.select(probe).mask, selector.select(probe).mask)
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_copy_gets_a_capture_token_of_its_own(name: str, how: str) -> None:
+    """A graph mode loop keys its captured selection on ``capture_key``: a copy sharing the
+    original's token would replay the graph recorded on the original's state."""
+    selector = make(name)
+    selection = selector.select(drafted(selector, seed=0))
+    selector.update(selection, selection.lengths)
+    copied = {
+        "copy": copy.copy,
+        "deepcopy": copy.deepcopy,
+        "pickle": lambda s: pickle.loads(pickle.dumps(s)),
+    }[how](selector)
+    assert copied.capture_token != selector.capture_token
+    key = selector.capture_key
+    if key is not None and any(isinstance(part, CaptureToken) for part in key):  # stateful
+        assert copied.capture_key != key
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -897,3 +923,32 @@ def test_state_moves_with_the_inputs_to_another_device(name: str) -> None:
             selector.update(selection, torch.zeros_like(selection.lengths))
             tokens.append(selector.capture_token)
     assert tokens[0] != token and tokens[1] == tokens[0]
+
+
+@pytest.mark.parametrize(
+    ("lengths", "error", "match"),
+    [
+        (torch.tensor([7, 1, 2]), ValueError, "lengths must be <= width = 5"),
+        (torch.tensor([2, -1, 2]), ValueError, "lengths must be >= 0"),
+        (torch.tensor([1.0, 2.0]), TypeError, "lengths must be an integer tensor"),
+        (torch.tensor([[1, 2]]), ValueError, "lengths must have rank 1"),
+    ],
+)
+def test_selection_from_lengths_refuses_lengths_its_mask_cannot_hold(
+    lengths: torch.Tensor, error: type, match: str
+) -> None:
+    """Lengths and mask would disagree (``num_verified`` counting tokens that are not there),
+    or a float would be truncated."""
+    with pytest.raises(error, match=match):
+        Selection.from_lengths(lengths, 5)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_update_refuses_lengths_that_do_not_count_the_mask(name: str) -> None:
+    """Two more than selected, with as many accepted: the guard counted 6 tokens tested and
+    passed where 2 were selected."""
+    selector = make(name)
+    selection = selector.select(drafted(selector, seed=0))
+    wrong = Selection(selection.lengths + 2, selection.mask)
+    with pytest.raises(ValueError, match=r"selection.lengths\[0\] = .* lengths must count"):
+        selector.update(wrong, wrong.lengths)

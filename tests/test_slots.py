@@ -9,6 +9,8 @@ mode (trace mode on the CPU: buckets, static buffers, the same captured stages).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -26,6 +28,7 @@ from specselect.hf import (
 )
 from specselect.hf.generate import HOST_READS_PER_STEP
 from specselect.hf.state import PerStep
+from specselect.selection import Outcomes
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CONFIGS = {
@@ -163,6 +166,57 @@ def test_slots_keep_one_host_read_per_step(graphs: bool) -> None:
     long_reads, long_steps = reads(30)
     assert long_steps > short_steps
     assert long_reads - short_reads == HOST_READS_PER_STEP * (long_steps - short_steps)
+
+
+class ObservedDrain(FixedWindowSelector):
+    """Fixed SD recording, per observe() call, each active row's accepted tokens and tokens
+    left, and whether rows wait for a slot."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self.calls: list[tuple[dict[int, tuple[int, int]], bool | None]] = []
+
+    def _observe(self, outcomes: Outcomes) -> None:
+        assert outcomes.active is not None and outcomes.remaining is not None
+        rows = [row for row, flag in enumerate(outcomes.active) if flag]
+        left = zip(outcomes.accepted, outcomes.remaining, strict=True)
+        self.calls.append((dict(zip(rows, left, strict=True)), outcomes.waiting))
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "trace"])
+@pytest.mark.parametrize("slots", [None, 3])
+def test_observe_says_what_each_row_has_left_and_whether_rows_wait(
+    slots: int | None, graphs: bool
+) -> None:
+    """What the goodput budget's drain rule reads: each row's tokens left shrink by what it
+    emitted (accepted + 1) until the step that finishes it (by EOS or ``max_new_tokens``)
+    reports 0; rows wait for a slot exactly while some row has not started."""
+    spy = ObservedDrain(3)
+    target, draft, ids, mask, eos, reference = case("llama", 0)
+    with emulate_on_cpu():
+        out = speculative_generate(
+            target,
+            draft,
+            ids,
+            mask,
+            selector=spy,
+            max_new_tokens=MAX_NEW,
+            eos_token_id=eos,
+            pad_token_id=PAD_ID,
+            cuda_graphs=graphs,
+            slots=slots,
+        )
+    assert torch.equal(out.sequences, reference)
+    first_step = out.stats.first_step.tolist()
+    assert [waiting for _, waiting in spy.calls] == [
+        any(start > step for start in first_step) for step in range(len(spy.calls))
+    ]
+    for row in range(BATCH):
+        seen = [call[row] for call, _ in spy.calls if row in call]
+        left = [MAX_NEW] + [remaining for _, remaining in seen]
+        assert left[-1] == 0 and min(left[:-1]) > 0  # reported until its last step
+        emitted = [accepted + 1 for accepted, _ in seen[:-1]]
+        assert [a - b for a, b in itertools.pairwise(left[:-1])] == emitted
 
 
 def test_sampled_rows_admitted_mid_run_follow_the_target() -> None:

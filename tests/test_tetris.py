@@ -9,6 +9,7 @@ hand-worked tie cases, and the reference formulation ``cumsum -> topk(C) -> per-
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import math
 
@@ -28,9 +29,10 @@ from conftest import (
 )
 from specselect import FixedWindowSelector, native, top_c_mask
 from specselect._checks import trusted_values
-from specselect.cost import CostModel
+from specselect.cost import CostModel, PassCost
 from specselect.estimators import RankingGuard
 from specselect.selectors import TetrisSelector
+from specselect.selectors.goodput import StepTimes
 from specselect.topc import cheapest_mask, cheapest_mask_torch, cheapest_per_row
 from specselect.tree import chain_parents, path_sums
 
@@ -1106,3 +1108,97 @@ def test_default_tetris_computes_a_steps_outcomes_once(monkeypatch: pytest.Monke
     chosen = selector.select(torch.rand(4, 3, generator=torch.Generator().manual_seed(0)).log())
     selector.update(chosen, torch.minimum(chosen.lengths, torch.ones(4, dtype=torch.int64)))
     assert len(calls) == 1
+
+
+def drain_steps(
+    selector: TetrisSelector, steps: int, rows_accepting: list[bool], left: list[int], **kwargs
+) -> list[int]:
+    """``steps`` outcomes of ``len(left)`` rows verifying their whole window, the rows of
+    ``rows_accepting`` accepting all of it and the others none, each with ``left`` tokens
+    still to emit; returns the depths chosen."""
+    depths = []
+    for _ in range(steps):
+        window = selector.draft_length(len(left))
+        depths.append(window)
+        accepted = [window if good else 0 for good in rows_accepting]
+        selector.observe([window] * len(left), accepted, remaining=left, **kwargs)
+    return depths
+
+
+@pytest.mark.parametrize("slowest", ["straggler", "good row"])
+def test_a_draining_budget_drafts_for_the_slowest_row(slowest: str) -> None:
+    """While requests wait, the depth is the step's goodput (rows that accept everything make
+    a deep draft pay). Once none wait, the run lasts as long as its slowest row: when that is a
+    row that accepts nothing, a draft pass only slows every step (a plain step, K = 0); when
+    it is a row that accepts everything, the deep draft still finishes it soonest."""
+    good = [False, True, True, True]
+    left = [50, 10, 10, 10] if slowest == "straggler" else [2, 50, 50, 50]
+    queued, draining = (goodput_tetris(COST_SHAPES["flat"], k=2, extra=3) for _ in range(2))
+    deep = drain_steps(queued, 12, good, left, waiting=True)
+    drained = drain_steps(draining, 12, good, left, waiting=False)
+    assert min(deep) >= 3
+    if slowest == "straggler":  # plain steps once its failures are known (and a probe)
+        assert drained[4:8] == [0, 0, 0, 0] and drained.count(0) >= 4
+    else:
+        assert drained == deep
+    unknown = goodput_tetris(COST_SHAPES["flat"], k=2, extra=3)  # a loop that does not say
+    assert drain_steps(unknown, 12, good, left) == deep
+
+
+def test_a_finished_row_s_next_request_starts_a_fresh_row_model() -> None:
+    """A row reported with nothing remaining has finished: the request its slot takes next is
+    modelled afresh (ratio 1), not by the finished one's failures; and the finished row no
+    longer holds the batch back."""
+    good, left = [False, True, True, True], [50, 10, 10, 10]
+    selector = goodput_tetris(COST_SHAPES["flat"], k=2, extra=3)
+    drain_steps(selector, 4, good, left, waiting=False)
+    planner = selector.planner
+    assert planner.row_ratio(0) < 0.2 < 1.0 < planner.row_ratio(1)
+    assert selector.draft_length(4) == 0  # the straggler decides
+    stuck = copy.deepcopy(selector)
+    drain_steps(selector, 1, good, [0, 9, 9, 9], waiting=False)  # it finishes
+    drain_steps(stuck, 1, good, [49, 9, 9, 9], waiting=False)  # it does not
+    assert selector.planner.row_ratio(0) == 1.0 and stuck.planner.row_ratio(0) < 0.2
+    assert selector.draft_length(4) >= 3 and stuck.draft_length(4) == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"remaining": [3]}, ValueError, "remaining must have one entry per entry of verified"),
+        ({"remaining": [3, -1]}, ValueError, r"remaining\[1\] must be >= 0"),
+        ({"remaining": [3, 2.5]}, TypeError, r"remaining\[1\] must be an int"),
+        ({"remaining": [3, 2], "waiting": "no"}, TypeError, "waiting must be True, False or"),
+    ],
+)
+def test_observe_refuses_a_bad_drain_report(kwargs: dict, error: type, match: str) -> None:
+    selector = goodput_tetris(COST_SHAPES["flat"], k=2, extra=3)
+    selection = selector.select(torch.full((2, selector.draft_length(2)), -0.1))
+    selector.update(selection, selection.lengths)
+    with pytest.raises(error, match=match):
+        selector.observe([1, 1], [1, 1], **kwargs)
+
+
+class DoubledVerify(CostModel):
+    """A cost model of one's own: its ``verify_time`` is not CostModel's."""
+
+    def verify_time(self, batch: int, tokens: int, context: float = 512.0) -> float:
+        return 2 * super().verify_time(batch, tokens, context)
+
+
+@pytest.mark.parametrize("knee", [None, 20.0])
+def test_goodput_time_tables_are_the_cost_model_s_times(knee: float | None) -> None:
+    """A CostModel's verification times are tabled in one numpy pass (a batch of 256 took a
+    second one count at a time): the same times as its verify_time, and, for a model that
+    overrides verify_time, that method's."""
+    cost = CostModel.linear((1e-3, 2e-4, 0.0), (5e-3, 1e-4, 3e-5))
+    if knee is not None:
+        cost = CostModel(cost.draft, PassCost(5e-3, 1e-4, 3e-5, knee=knee, beyond_knee=1e-3))
+    table = StepTimes(cost).verify(7, 60)  # [61]
+    assert np.isinf(table[:7]).all()
+    assert table[7:].tolist() == [cost.verify_time(7, t) for t in range(7, 61)]
+    doubled = DoubledVerify(cost.draft, cost.verify)
+    assert StepTimes(doubled).verify(7, 60)[7:].tolist() == (2 * table[7:]).tolist()
+    grown = StepTimes(cost)
+    grown.verify(7, 20)  # extended later, as the planner does
+    assert grown.verify(7, 60).tolist() == table.tolist()

@@ -13,7 +13,9 @@ from specselect.tree import (
     build_tree_buffers,
     chain_parents,
     check_parents,
+    path_minima,
     path_reduce,
+    path_sums,
 )
 
 
@@ -181,3 +183,19 @@ def test_level_sizes_of_the_first_levels(depth: int, sizes: tuple, fed: int) -> 
 def test_levels_beyond_the_tree_are_rejected(method: str, depth, error, match) -> None:
     with pytest.raises(error, match=match):
         getattr(SPEC, method)(depth)
+
+
+@pytest.mark.parametrize(
+    ("parents", "error", "match"),
+    [
+        ([[-1, 5, 1]], ValueError, r"parents\[0, 1\] = 5"),  # used to wrap around silently
+        ([[-1, 0, 2]], ValueError, r"parents\[0, 2\] = 2"),  # a self-loop
+        ([[-1.0, 0.0, 1.0]], TypeError, "parents must be an integer tensor"),
+        ([[-1, 0]], ValueError, "parents must have 3 columns"),
+    ],
+)
+def test_path_walks_refuse_parents_that_are_no_forest(parents, error, match) -> None:
+    values = torch.tensor([[1.0, 2.0, 3.0]])
+    for walk in (path_sums, path_minima):
+        with pytest.raises(error, match=match):
+            walk(values, torch.tensor(parents))

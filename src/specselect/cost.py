@@ -67,6 +67,8 @@ SHIPPED_COST_FILE = "cost-cpu.json"
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 DEFAULT_WIDTHS = (1, 2, 4, 8)
 DEFAULT_CONTEXTS = (128,)
+#: The cached tokens per row a time is priced at when the caller gives no ``context``.
+PRICED_CONTEXT = 512.0
 DEFAULT_REPEATS = 7
 DEFAULT_WARMUP = 2
 
@@ -152,6 +154,17 @@ class PassCost:
     def seconds(self, rows: int, tokens: int, context: float) -> float:
         """The formula, for arguments the caller has checked."""
         beyond = max(0.0, tokens - self.knee) if self.beyond_knee else 0.0
+        return self._formula(rows, tokens, context, beyond)
+
+    def seconds_of_tokens(self, rows: int, tokens: np.ndarray, context: float) -> np.ndarray:
+        """:meth:`seconds` at every count of ``tokens`` (an int array) at once: a table of
+        thousands of entries (the goodput budget's, at large batches) in one numpy pass."""
+        beyond = np.maximum(0.0, tokens - self.knee) if self.beyond_knee else 0.0
+        return self._formula(rows, tokens, context, beyond)
+
+    def _formula(self, rows: int, tokens: Any, context: float, beyond: Any) -> Any:
+        """The terms of the module docstring, for ``tokens`` (and ``beyond``, the tokens past
+        the knee) as numbers or arrays alike."""
         return (
             self.fixed
             + self.per_row * rows
@@ -440,7 +453,7 @@ class CostModel:
         return cls.fit(samples, source=source)
 
     # ------------------------------------------------------------------ predictions
-    def draft_time(self, batch: int, tokens: int, context: float = 512.0) -> float:
+    def draft_time(self, batch: int, tokens: int, context: float = PRICED_CONTEXT) -> float:
         """Seconds to draft ``tokens`` tokens (sequential passes) for ``batch`` requests.
 
         Zero when there is nothing to draft (``batch`` or ``tokens`` 0).
@@ -462,7 +475,7 @@ class CostModel:
             )
         return tokens * self.draft.seconds(batch, batch, context)
 
-    def verify_time(self, batch: int, tokens: int, context: float = 512.0) -> float:
+    def verify_time(self, batch: int, tokens: int, context: float = PRICED_CONTEXT) -> float:
         """Seconds for one target pass over ``tokens`` tokens in total (``batch`` requests).
 
         Every row carries at least its pending token, so ``tokens >= batch``; an empty batch
@@ -487,7 +500,9 @@ class CostModel:
             return 0.0
         return self.verify.seconds(batch, tokens, context)
 
-    def step_time(self, batch: int, window: int, verified: int, context: float = 512.0) -> float:
+    def step_time(
+        self, batch: int, window: int, verified: int, context: float = PRICED_CONTEXT
+    ) -> float:
         """One speculative step: draft ``window`` tokens per row, verify ``verified`` drafts
         (over the batch) plus one pending token per row.
 

@@ -129,15 +129,17 @@ def _check_rows(name: str, value: object, window: Tensor) -> Tensor:
 def _check_push(window: Tensor, filled: Tensor, tokens: Tensor, counts: Tensor) -> None:
     """The arguments of :func:`push_tokens`."""
     _check_window(window, filled)
-    _check_rows("tokens", tokens, window)
+    check_non_negative("tokens", _check_rows("tokens", tokens, window))
     check_non_negative("counts", check_ints("counts", counts, (window.shape[0],), window.device))
     _check_at_most("counts", counts, tokens.shape[1], "the tokens per row, tokens.shape[1]")
 
 
 def _check_lookup(window: Tensor, filled: Tensor, tokens: Tensor, paths: Tensor) -> None:
-    """The arguments of :func:`lookup_matches` (shapes, dtypes and devices; free to check)."""
+    """The arguments of :func:`lookup_matches`: shapes, dtypes and devices (free to check),
+    and where values are readable, token ids >= 0 (a negative one would match the window's
+    marker for an unreadable column) and paths of node indices in ``[-1, N)``."""
     _check_window(window, filled)
-    rows, nodes = _check_rows("tokens", tokens, window).shape
+    rows, nodes = check_non_negative("tokens", _check_rows("tokens", tokens, window)).shape
     if not isinstance(paths, Tensor) or paths.dim() not in (2, 3):
         raise TypeError("paths must be a [B, N, D] or [N, D] integer tensor")
     check_integer_tensor("paths", paths, rank=paths.dim())
@@ -147,6 +149,13 @@ def _check_lookup(window: Tensor, filled: Tensor, tokens: Tensor, paths: Tensor)
             f"token), got {tuple(paths.shape)}"
         )
     check_same_device("paths", paths, "window", window)
+    if _values_checkable(paths) and paths.numel():
+        low, high = int(paths.min()), int(paths.max())
+        if low < -1 or high >= nodes:
+            raise ValueError(
+                f"paths must hold node indices in [-1, {nodes}) (-1: none), got values from "
+                f"{low} to {high}"
+            )
 
 
 def _columns(width: int, device: torch.device) -> Tensor:  # -> [W] int64

@@ -29,6 +29,7 @@ from specselect._checks import (
     check_at_most,
     check_counts,
     check_int,
+    check_integer_tensor,
     check_logprobs,
     check_row_ints,
     check_tensor,
@@ -95,12 +96,16 @@ class _LastSelect:
 class Outcomes:
     """One step's host feedback as :meth:`Selector._observe` gets it (checked): per active row,
     in row order, the draft tokens (tree nodes) verified, the draft tokens accepted and the
-    deepest verified depth (a chain's verified count); and which batch rows those are."""
+    deepest verified depth (a chain's verified count); which batch rows those are; and, when
+    the loop says, the tokens each of those rows may still emit and whether requests wait
+    for a slot."""
 
     verified: list[int]
     accepted: list[int]
     deepest: list[int]
     active: list[bool] | None  # per batch row, whether it has an entry (None: not given)
+    remaining: list[int] | None = None  # per entry, tokens still to emit (None: not given)
+    waiting: bool | None = None  # whether requests wait for a slot (None: not given)
 
 
 @dataclass(frozen=True)
@@ -119,8 +124,19 @@ class Selection:
 
     @classmethod
     def from_lengths(cls, lengths: Tensor, width: int) -> Selection:
-        """Build the prefix selection of ``lengths`` (``[B]``) over ``width`` draft positions."""
-        lengths = lengths.to(torch.int64)
+        """Build the prefix selection of ``lengths`` (``[B]`` integers in ``[0, width]``) over
+        ``width`` draft positions.
+
+        Raises:
+            TypeError: ``lengths`` is not a 1-D integer tensor (a float would be truncated).
+            ValueError: a length is negative or above ``width`` (checked where the values are
+                readable without a sync): the mask could not hold it.
+        """
+        width = check_int("width", width)
+        lengths = check_integer_tensor("lengths", lengths, rank=1).to(torch.int64)
+        check_counts("lengths", lengths, lengths.shape[0], lengths.device)
+        if _values_checkable(lengths) and lengths.numel() and int(lengths.max()) > width:
+            raise ValueError(f"lengths must be <= width = {width}, got {lengths.tolist()}")
         return cls(lengths=lengths, mask=prefix_mask(lengths, width))
 
     @classmethod
@@ -243,6 +259,14 @@ class Selector(abc.ABC):
         self._device: torch.device | None = None  # the inputs' device at the last select
         # ([B, K] tested, [B, K] passed) of the step update() is learning from, once computed
         self._step_outcomes: tuple[Tensor, Tensor] | None = None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (``copy.copy``, ``copy.deepcopy``, unpickling) is another selector, with a
+        :attr:`capture_token` of its own: a graph a loop recorded on the original's state must
+        not replay for it (it would read and update the original's tensors)."""
+        self.__dict__.update(state)
+        if "capture_token" in state:
+            self.capture_token = next(_CAPTURE_TOKENS)
 
     @abc.abstractmethod
     def draft_length(self, num_active: int) -> int:
@@ -412,6 +436,7 @@ class Selector(abc.ABC):
         check_counts("num_accepted", num_accepted, lengths.shape[0], lengths.device)
         check_at_most("num_accepted", num_accepted, "selection.lengths", lengths)
         last = self._matching_last(selection)
+        _check_counted(selection)
         if self._answered:
             raise ValueError(
                 f"{type(self).__name__}.update was already called for the last select(): "
@@ -506,6 +531,9 @@ class Selector(abc.ABC):
         accepted: Sequence[int],
         deepest: Sequence[int] | None = None,
         active: Sequence[bool] | None = None,
+        *,
+        remaining: Sequence[int] | None = None,
+        waiting: bool | None = None,
     ) -> None:
         """Host-side feedback after verification: per active row, in row order, the draft
         tokens (tree nodes) the target verified, the draft tokens it accepted and, after a tree
@@ -532,11 +560,22 @@ class Selector(abc.ABC):
         are as many as its rows; selectors that pool the rows (DSD, the goodput budget) need
         it never.
 
+        ``remaining`` (per entry: the most tokens that row may still emit after this step, 0
+        for a row this step finished) and ``waiting`` (whether requests wait for a free slot)
+        say when the batch is *draining*: with nobody waiting, the run lasts until its slowest
+        row finishes, and tokens that finish the other rows sooner shorten nothing. The goodput
+        budget of :class:`~specselect.selectors.TetrisSelector` then drafts for the time to
+        finish the batch instead of the step's goodput (see
+        :meth:`~specselect.selectors.goodput.GoodputPlanner.best_depth`). Without them (a loop
+        that does not know) it plans every step for goodput. ``speculative_generate`` and
+        replay pass both.
+
         Each sequence may also be a 1-D NumPy array or CPU tensor (a loop's read-back).
 
         Raises:
             TypeError: an entry is not an int (a bool, for ``active``), or a tensor is not on
-                the CPU (reading it would be a sync the caller should see).
+                the CPU (reading it would be a sync the caller should see), or ``waiting`` is
+                not a bool.
             ValueError: the sequences differ in length, or an entry is negative, or a row
                 accepted more than it verified, or its deepest depth is not between what it
                 accepted and what it verified (at least 1 where it verified anything), or
@@ -552,9 +591,13 @@ class Selector(abc.ABC):
             depths = tested if deepest is None else _trusted_list(deepest)
             outcomes = (tested, _trusted_list(accepted), depths)
             rows = None if active is None else _trusted_list(active)
+            left = None if remaining is None else _trusted_list(remaining)
         else:
             outcomes = check_outcomes(verified, accepted, deepest)
             rows = None if active is None else check_active_rows(active, len(outcomes[0]))
+            left = None if remaining is None else check_remaining(remaining, len(outcomes[0]))
+            if waiting is not None and not isinstance(waiting, bool):
+                raise TypeError(f"waiting must be True, False or None, got {waiting!r}")
             if self._last is not None:
                 _check_fits_selection(outcomes[0], tuple(self._last.logprobs.shape))
         tree = self._last is not None and self._last.parents is not None
@@ -564,7 +607,7 @@ class Selector(abc.ABC):
                 "depth of each row's deepest verified node (verified counts nodes, siblings "
                 "included, so it is no depth)"
             )
-        self._observe(Outcomes(*outcomes, rows))
+        self._observe(Outcomes(*outcomes, rows, left, waiting))
 
     def _observe(self, outcomes: Outcomes) -> None:  # noqa: B027
         """Host planners override this (checked outcomes; ``active`` is ``None`` when the loop
@@ -821,6 +864,11 @@ def _check_answer(
     ``-inf``, nothing in an inactive row, and no row more than :meth:`Selector.max_selected`
     (which sizes a tree step's verification pass). Inside a decoding loop's trusted block too:
     a loop would otherwise clamp, cut, or verify a broken answer without a word."""
+    if not isinstance(selection, Selection):
+        raise TypeError(
+            f"{type(owner).__name__} must select a specselect Selection (lengths and mask), "
+            f"got {type(selection).__name__}"
+        )
     rows, width = draft_logprobs.shape
     lengths, mask, device = selection.lengths, selection.mask, draft_logprobs.device
     if not (
@@ -984,6 +1032,30 @@ def _check_order(low_name: str, low: list[int], high_name: str, high: list[int])
             f"{low_name} must be <= {high_name}, got {low_name}[{i}] = {low[i]} > "
             f"{high_name}[{i}] = {high[i]}"
         )
+
+
+def _check_counted(selection: Selection) -> None:
+    """Each row's ``lengths`` counts its mask (a value check: see :mod:`specselect._checks`):
+    feedback on lengths another mask would be learned as tokens tested that never were."""
+    lengths, mask = selection.lengths, selection.mask
+    if _values_checkable(lengths) and _values_checkable(mask) and lengths.numel():
+        counted = mask.sum(dim=1)  # [B]
+        if not torch.equal(counted, lengths):
+            row = int((counted != lengths).nonzero()[0, 0])
+            raise ValueError(
+                f"selection.lengths[{row}] = {int(lengths[row])} but selection.mask selects "
+                f"{int(counted[row])} tokens in that row; lengths must count the mask"
+            )
+
+
+def check_remaining(remaining: object, entries: int) -> list[int]:
+    """``remaining`` (:meth:`Selector.observe`) as a list of ints >= 0, one per entry."""
+    counts = _int_list("remaining", remaining)
+    if len(counts) != entries:
+        raise ValueError(
+            f"remaining must have one entry per entry of verified, got {len(counts)} for {entries}"
+        )
+    return counts
 
 
 def check_active_rows(active: object, entries: int) -> list[bool]:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specselect._checks import _values_checkable, check_int, check_integer_tensor
+from specselect._checks import _values_checkable, check_int, check_integer_tensor, check_tensor
 from specselect.constants import arange_constant
 
 NEG_INF = float("-inf")
@@ -180,13 +180,19 @@ def path_reduce(
     sentinel column holding ``combine``'s identity and pointing at itself, so a round is two
     gathers and ``combine``, with no masking: a step of a tree loop runs several of these, and
     on a GPU every operation is a kernel. Results are float32 or wider.
+
+    Raises:
+        ValueError: ``combine`` is another function, or ``parents`` is not a forest of
+            ``values``' shape on its device (:func:`check_parents`; its values are read where
+            that costs no sync). A parent out of range would otherwise wrap around, silently.
     """
     identity = _IDENTITIES.get(combine)
     if identity is None:
         raise ValueError(
             f"combine must be torch.add, torch.minimum or torch.maximum, got {combine!r}"
         )
-    nodes = values.shape[1]
+    rows, nodes = check_tensor("values", values, rank=2).shape
+    parents = check_parents(parents, rows=rows, width=nodes, device=values.device)
     dtype = torch.promote_types(values.dtype, torch.float32)
     rounds = max(nodes - 1, 0).bit_length()
     if rounds == 0:

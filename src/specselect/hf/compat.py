@@ -42,9 +42,14 @@ _REQUIRED_FORWARD_ARGS = ("attention_mask", "position_ids")
 #: The forward argument that takes the KV cache: ``cache`` from transformers 5.24 on (where
 #: ``past_key_values`` still works, with a deprecation warning), ``past_key_values`` before.
 CACHE_ARGS = ("cache", "past_key_values")
-_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+#: The special ids whose disagreement shows another tokenizer. Not the pad id: padding is a
+#: decoding setting ("pad = EOS" is a common idiom), which a call may set anyway.
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id")
 _GENERATION_HOOKS = ("can_generate", "get_output_embeddings")
 _POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+#: Config dropouts of classification or summary heads (GPT-2's ``summary_first_dropout``),
+#: which the causal LM's forward never applies.
+_HEAD_ONLY_DROPOUT = ("summary_", "classifier_")
 
 
 def check_causal_lm(name: str, model: object) -> nn.Module:
@@ -201,7 +206,9 @@ def warn_dropout(name: str, model: nn.Module) -> None:
     rates = [
         value
         for key, value in vars(config).items()
-        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, (int, float))
+        if ("dropout" in key or key.endswith("pdrop"))
+        and not key.startswith(_HEAD_ONLY_DROPOUT)  # heads a causal LM does not run
+        and isinstance(value, (int, float))
     ]
     dropping = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in training)
     if dropping or any(rate > 0 for rate in rates):
@@ -347,7 +354,7 @@ def _normalise_ids(value: object) -> tuple[int, ...]:
 def check_pair(target: nn.Module, draft: nn.Module, tokenizer: Sized | None = None) -> int:
     """Raise unless ``target`` and ``draft`` share a tokenizer; return the shared vocabulary size.
 
-    Special token ids present in both models must have an id in common: a model that names
+    Begin and end token ids present in both models must have an id in common: a model that names
     other ids uses another tokenizer, while two models of one tokenizer may list different sets
     (a chat model stops at its end-of-turn token too; its draft, a base model, need not). Only
     the target's ids are used. Logit widths may differ only by padding

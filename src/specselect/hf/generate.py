@@ -209,10 +209,11 @@ def speculative_generate(
 
     Raises:
         TypeError: an argument of the wrong type; a model the loop cannot drive (no causal-LM
-            head, no KV cache, a PEFT or ``torch.compile`` wrapper); a replay-only selector; a
-            tree for a selector without ``supports_trees``.
-        ValueError: a model that is not causal (its logits at a position depend on later
-            tokens) or has layers the loop cannot roll back; a bad value (shapes, ids outside
+            head, a PEFT or ``torch.compile`` wrapper); a replay-only selector; a tree for a
+            selector without ``supports_trees``.
+        ValueError: a model whose forward takes no ``position_ids`` or KV cache from outside
+            (Mamba, Bloom's ALiBi), or that is not causal (its logits at a position depend on
+            later tokens), or has layers the loop cannot roll back; a bad value (shapes, ids outside
             the vocabulary, right padding, lengths beyond the caches or the models' positions,
             caches beyond free memory), an option ``generate`` has and this loop does not (other
             decoding modes, logits processors, scores and other extra outputs),

@@ -50,8 +50,10 @@ from specselect.hf.graphs import StageRunner
 from specselect.hf.state import (
     ACCEPTED,
     DEEPEST,
+    FINISHED,
     NO_ADVANCE,
     VERIFIED,
+    WRITTEN,
     Advance,
     GenerationState,
     PhaseClock,
@@ -178,7 +180,8 @@ class Step(abc.ABC):
 
     def _observe(self, report: list[list[int]]) -> None:
         """``selector.observe`` with the step's outcomes, per active caller row in row order
-        (before the next step plans: a host planner's next draft length depends on them)."""
+        (before the next step plans: a host planner's next draft length depends on them), the
+        tokens each row may still emit (0 once finished) and whether rows wait for a slot."""
         assert self.selector is not None
         state = self.state
         served = sorted((row, slot) for slot, row in enumerate(state.slot_rows) if row >= 0)
@@ -187,7 +190,15 @@ class Step(abc.ABC):
         for row, _ in served:
             active[row] = True
         verified, accepted, deepest = ([report[r][s] for s in slots] for r in OBSERVED)
-        self.selector.observe(verified, accepted, deepest, active=active)
+        limit, written, finished = state.options.max_new_tokens, report[WRITTEN], report[FINISHED]
+        remaining = [
+            0 if finished[slot] else limit - state.generated_host[row] - written[slot]
+            for row, slot in served
+        ]
+        waiting = state.admitted < state.batch
+        self.selector.observe(
+            verified, accepted, deepest, active=active, remaining=remaining, waiting=waiting
+        )
 
     def _prepare(self) -> Plan:
         """Start waiting rows in free slots, plan the step and give it its cache columns

@@ -205,7 +205,10 @@ def iter_replay(
         # The selector's inputs come from checked traces: its value checks would only re-read
         # them. Only around the step: a generator must not leave the caller's checks off.
         with trusted_values():
-            step = _replay_step(traces, selector, requests, positions, cost_model, context, index)
+            waiting = refill and queued < n  # static batches drain: nobody joins them
+            step = _replay_step(
+                traces, selector, requests, positions, cost_model, context, index, waiting
+            )
         yield step
         positions += torch.where(step.active, step.accepted + 1, 0)
         finished = step.active & (positions >= length)
@@ -222,9 +225,11 @@ def _replay_step(
     cost_model: CostModel,
     context: float | None,
     index: int,
+    waiting: bool,
 ) -> ReplayStep:
     """One step over the occupied slots: the window, what the selector is shown, its
-    selection and feedback (as the live loop gives it), and the step's modelled counts."""
+    selection and feedback (as the live loop gives it: with the tokens each row may still
+    emit, and whether requests wait for a slot), and the step's modelled counts."""
     active = requests >= 0  # [S]
     num_active = int(active.sum())
     most_remaining = traces.max_new_tokens - int(positions[active].min())
@@ -240,8 +245,13 @@ def _replay_step(
     accepted = torch.minimum(selection.lengths, runs)  # [S]
     selector.update(selection, accepted)
     # What a live loop reads back after the step, as it passes it on.
+    remaining = (traces.max_new_tokens - positions - accepted - 1).clamp(min=0)  # [S]
     selector.observe(
-        selection.lengths[active].tolist(), accepted[active].tolist(), active=active.tolist()
+        selection.lengths[active].tolist(),
+        accepted[active].tolist(),
+        active=active.tolist(),
+        remaining=remaining[active].tolist(),
+        waiting=waiting,
     )
     if context is None:
         context = _mean_context(traces.prompt_lengths, requests, positions)

@@ -183,7 +183,8 @@ class DSDSelector(Selector):
         window = best_window(
             self._alpha_chosen, num_active, self.max_k, self.cost_model, self.context
         )
-        if window == 0 and self._probing(rechoose) and num_active:  # (no row: nothing to probe)
+        # (No row: nothing to probe; max_k = 0: plain decoding, never a draft token.)
+        if window == 0 and self._probing(rechoose) and num_active and self.max_k:
             window = 1
         self._window = window
         return window

@@ -265,7 +265,14 @@ class TetrisSelector(Selector):
 
     def _observe(self, outcomes: Outcomes) -> None:
         if self._planner is not None:
-            self._planner.observe(outcomes.verified, outcomes.accepted, outcomes.deepest)
+            self._planner.observe(
+                outcomes.verified,
+                outcomes.accepted,
+                outcomes.deepest,
+                active=outcomes.active,
+                remaining=outcomes.remaining,
+                waiting=outcomes.waiting,
+            )
             self._watch.observed()
 
     @classmethod
