@@ -529,17 +529,25 @@ def test_a_cache_without_slack_drafts_less_instead_of_failing(
     assert torch.equal(roomy.sequences, reference) and roomy.stats.depth_cuts == 0
 
 
-def test_max_length_within_the_prompt_raises(models) -> None:
-    """An explicit max_length counts the padded prompt (width 6): 6 leaves no room, as in
-    generate(), which raises too; 7 gives one new token."""
-    config = GenerationConfig(max_length=6, eos_token_id=[])
+@pytest.mark.parametrize("given_as", ["config", "argument"])
+def test_max_length_within_the_prompt_raises(models, given_as: str) -> None:
+    """An explicit max_length (in a config, or as generate()'s argument) counts the padded
+    prompt (width 6): 6 leaves no room, as in generate(), which raises too; 7 gives one new
+    token."""
+
+    def length(value: object) -> dict[str, Any]:
+        if given_as == "argument":
+            return {"max_length": value, "generation_config": GenerationConfig(eos_token_id=[])}
+        return {"generation_config": GenerationConfig(max_length=value, eos_token_id=[])}
+
     with pytest.raises(ValueError, match=r"max_length \(6\) must exceed .* prompt length \(6\)"):
-        call(models, max_new_tokens=None, generation_config=config)
+        call(models, max_new_tokens=None, **length(6))
     with pytest.raises(ValueError, match="max_length"):
         ids, mask = left_padded_prompts(4, 2, 6, VOCAB, 0)
-        models[0].generate(ids, attention_mask=mask, generation_config=config)
-    config.max_length = 7
-    assert call(models, max_new_tokens=None, generation_config=config).sequences.shape == (4, 7)
+        models[0].generate(ids, attention_mask=mask, **length(6))
+    assert call(models, max_new_tokens=None, **length(7)).sequences.shape == (4, 7)
+    with pytest.raises(TypeError, match="max_length must be an int"):
+        call(models, max_new_tokens=None, **length("7"))
 
 
 # (later transformers releases warn that generate() uses its default length)

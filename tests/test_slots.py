@@ -185,8 +185,9 @@ class ObservedDrain(FixedWindowSelector):
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "trace"])
 @pytest.mark.parametrize("slots", [None, 3])
+@pytest.mark.parametrize("tree", [None, TreeSpec(3, 2, 2)], ids=["chain", "tree"])
 def test_observe_says_what_each_row_has_left_and_whether_rows_wait(
-    slots: int | None, graphs: bool
+    tree: TreeSpec | None, slots: int | None, graphs: bool
 ) -> None:
     """What the goodput budget's drain rule reads: each row's tokens left shrink by what it
     emitted (accepted + 1) until the step that finishes it (by EOS or ``max_new_tokens``)
@@ -205,6 +206,7 @@ def test_observe_says_what_each_row_has_left_and_whether_rows_wait(
             pad_token_id=PAD_ID,
             cuda_graphs=graphs,
             slots=slots,
+            tree=tree,
         )
     assert torch.equal(out.sequences, reference)
     first_step = out.stats.first_step.tolist()

@@ -1121,7 +1121,8 @@ def drain_steps(
         window = selector.draft_length(len(left))
         depths.append(window)
         accepted = [window if good else 0 for good in rows_accepting]
-        selector.observe([window] * len(left), accepted, remaining=left, **kwargs)
+        rows = [True] * len(left)
+        selector.observe([window] * len(left), accepted, active=rows, remaining=left, **kwargs)
     return depths
 
 
@@ -1169,6 +1170,8 @@ def test_a_finished_row_s_next_request_starts_a_fresh_row_model() -> None:
         ({"remaining": [3, -1]}, ValueError, r"remaining\[1\] must be >= 0"),
         ({"remaining": [3, 2.5]}, TypeError, r"remaining\[1\] must be an int"),
         ({"remaining": [3, 2], "waiting": "no"}, TypeError, "waiting must be True, False or"),
+        ({"remaining": [3, 2], "active": None}, ValueError, "remaining needs active="),
+        ({"waiting": False}, ValueError, "waiting needs remaining="),
     ],
 )
 def test_observe_refuses_a_bad_drain_report(kwargs: dict, error: type, match: str) -> None:
@@ -1176,7 +1179,18 @@ def test_observe_refuses_a_bad_drain_report(kwargs: dict, error: type, match: st
     selection = selector.select(torch.full((2, selector.draft_length(2)), -0.1))
     selector.update(selection, selection.lengths)
     with pytest.raises(error, match=match):
-        selector.observe([1, 1], [1, 1], **kwargs)
+        selector.observe([1, 1], [1, 1], **({"active": [True, True]} | kwargs))
+
+
+def test_a_drain_of_finished_rows_plans_for_goodput_again() -> None:
+    """Every row reported finished (a serving loop's queue emptied): no row to wait for, so
+    the next depth is the step's goodput's (it raised on an empty reduction)."""
+    selector = goodput_tetris(COST_SHAPES["flat"], k=2, extra=3)
+    drain_steps(selector, 3, [True, True], [5, 5], waiting=False)
+    drain_steps(selector, 1, [True, True], [0, 0], waiting=False)
+    fresh = goodput_tetris(COST_SHAPES["flat"], k=2, extra=3)
+    drain_steps(fresh, 4, [True, True], [5, 5], waiting=True)
+    assert selector.draft_length(2) == fresh.draft_length(2)
 
 
 class DoubledVerify(CostModel):

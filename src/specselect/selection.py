@@ -558,7 +558,7 @@ class Selector(abc.ABC):
         ``active`` is what a selector with per-row state needs (the heuristic's windows): which
         row each entry is. Without it, entries are taken as every row of the batch when there
         are as many as its rows; selectors that pool the rows (DSD, the goodput budget) need
-        it never.
+        it only with ``remaining``.
 
         ``remaining`` (per entry: the most tokens that row may still emit after this step, 0
         for a row this step finished) and ``waiting`` (whether requests wait for a free slot)
@@ -581,7 +581,9 @@ class Selector(abc.ABC):
                 accepted and what it verified (at least 1 where it verified anything), or
                 ``deepest`` is missing after a tree selection, or ``active`` does not mark one
                 row per entry, or there are more entries than the last :meth:`select` had rows,
-                or a row verified more than it drafted. Inside
+                or a row verified more than it drafted, or ``remaining`` does not hold one
+                count per entry or comes without ``active``, or ``waiting`` comes without
+                ``remaining``. Inside
                 :func:`~specselect._checks.trusted_values` (a loop's own read-back) nothing is
                 checked.
         """
@@ -598,6 +600,13 @@ class Selector(abc.ABC):
             left = None if remaining is None else check_remaining(remaining, len(outcomes[0]))
             if waiting is not None and not isinstance(waiting, bool):
                 raise TypeError(f"waiting must be True, False or None, got {waiting!r}")
+            if left is not None and rows is None:
+                raise ValueError(
+                    "remaining needs active=: which batch row each entry is (the entries shift "
+                    "as rows finish, and a row's tokens left are its own)"
+                )
+            if waiting is not None and left is None:
+                raise ValueError("waiting needs remaining=: the tokens each row has left")
             if self._last is not None:
                 _check_fits_selection(outcomes[0], tuple(self._last.logprobs.shape))
         tree = self._last is not None and self._last.parents is not None

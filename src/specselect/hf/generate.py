@@ -128,6 +128,7 @@ def speculative_generate(
     *,
     selector: Selector | None,
     max_new_tokens: int | None = None,
+    max_length: int | None = None,
     do_sample: bool | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
@@ -165,6 +166,8 @@ def speculative_generate(
         max_new_tokens: new tokens per row, at least 1. Default, as in ``generate``: the
             merged config's ``max_new_tokens``, else its ``max_length`` minus the padded prompt
             length, else 20, the default capped at the target's ``max_position_embeddings``.
+        max_length: prompt plus new tokens, as ``generate``'s: counted from the padded
+            prompt's first column; ``max_new_tokens`` wins when both are given.
         do_sample: sample instead of greedy decoding.
         temperature: sampling temperature, applied identically to both models (as are the
             next two).
@@ -235,6 +238,7 @@ def speculative_generate(
         check_tensor("input_ids", input_ids, rank=2).shape[1],
         _position_limit(target),
         max_new_tokens=max_new_tokens,
+        max_length=max_length,
         do_sample=do_sample,
         temperature=temperature,
         top_k=top_k,

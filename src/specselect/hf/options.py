@@ -154,10 +154,10 @@ def resolve_options(
         prompt_width: padded prompt length, to turn an explicit ``max_length`` into new tokens.
         position_limit: the target config's ``max_position_embeddings``, which caps the default
             length (prompt plus the default ``max_length`` new tokens), as in ``generate``.
-        overrides: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-            ``min_p``, ``eos_token_id``, ``pad_token_id``; they override everything. ``None``
-            means not given, except for ``eos_token_id``, where it means "no EOS" as in
-            ``generate`` and :data:`UNSET` means not given.
+        overrides: ``max_new_tokens``, ``max_length``, ``do_sample``, ``temperature``,
+            ``top_k``, ``top_p``, ``min_p``, ``eos_token_id``, ``pad_token_id``; they override
+            everything. ``None`` means not given, except for ``eos_token_id``, where it means
+            "no EOS" as in ``generate`` and :data:`UNSET` means not given.
     """
     config, explicit_max_length = merge_generation_config(
         generation_config, default_config, overrides
@@ -205,7 +205,7 @@ def merge_generation_config(
     config = GenerationConfig() if generation_config is None else copy.deepcopy(generation_config)
     if isinstance(default_config, GenerationConfig):
         config.update(**default_config.to_dict(), defaults_only=True, allow_custom_entries=True)
-    explicit_max_length = config.max_length is not None
+    explicit_max_length = config.max_length is not None or overrides.get("max_length") is not None
     config.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)
     for key, value in overrides.items():
         if value is UNSET or (value is None and key != "eos_token_id"):

@@ -39,7 +39,8 @@ pass over the ``C`` selected tokens and one bonus token per row. It has two halv
   to finish the batch instead: the step's time times the steps its slowest row still needs,
   each row's tokens per step modelled from the pooled depths scaled by what that row has
   accepted lately against what the pooled model expected of it. A static batch, as
-  ``speculative_generate`` runs one without ``slots``, drains from its first step.
+  ``speculative_generate`` runs one without ``slots``, drains from the feedback of its first
+  step on.
 
 Why select the best-``C*`` prefix of the sorted order rather than run the top-``C`` kernel
 with a device budget: the objective needs the scores in that order anyway (``E(C)`` is their
@@ -386,11 +387,14 @@ class GoodputPlanner:
         depths = np.stack([np.minimum(x + 1, drafted), x, np.minimum(d + 1, drafted), d])
         self._draining = None
         if remaining is not None:  # the rows' own model serves the drain rule only
-            rows = np.arange(len(x)) if active is None else np.flatnonzero(active)  # [R]
+            if active is None:  # entries shift as rows finish: no row would keep its counts
+                raise ValueError("remaining needs active=: which batch row each entry is")
+            rows = np.flatnonzero(np.asarray(active, dtype=bool))  # [R]
             left = np.asarray(remaining, dtype=np.int64).reshape(-1)  # [R]
             self._observe_rows(rows, x, left, drafted)
-            if waiting is False:
-                self._draining = (rows[left > 0], left[left > 0])
+            unfinished = left > 0  # [R]
+            if waiting is not None and not waiting and unfinished.any():
+                self._draining = (rows[unfinished], left[unfinished])
         self._counts *= self.decay
         self._counts += _reaching(depths, self.max_depth)  # rows in the order of _COUNTS
         self._nodes = self.decay * self._nodes + float(v.sum())
