@@ -31,6 +31,7 @@ from specselect._checks import (
     check_int,
     check_integer_tensor,
     check_logprobs,
+    check_non_negative,
     check_row_ints,
     check_tensor,
     checked_already,
@@ -134,7 +135,7 @@ class Selection:
         """
         width = check_int("width", width)
         lengths = check_integer_tensor("lengths", lengths, rank=1).to(torch.int64)
-        check_counts("lengths", lengths, lengths.shape[0], lengths.device)
+        check_non_negative("lengths", lengths)
         if _values_checkable(lengths) and lengths.numel() and int(lengths.max()) > width:
             raise ValueError(f"lengths must be <= width = {width}, got {lengths.tolist()}")
         return cls(lengths=lengths, mask=prefix_mask(lengths, width))

@@ -508,18 +508,16 @@ class GoodputPlanner:
         at the depths it drafted (decayed by :attr:`row_decay` per drafting step, shrunk to 1
         by :attr:`row_strength` pseudo-tokens): the ``rho`` of the drain rule of
         :meth:`best_depth`. 1 for a row not seen since it last finished."""
-        return float(self._ratios(np.array([check_int("row", row)]))[0])
+        row = check_int("row", row)
+        if row >= self._row_counts.shape[1]:  # never observed: no counts, the pooled model's
+            return 1.0
+        return float(self._ratios(np.array([row]))[0])
 
-    def _ratios(self, rows: np.ndarray) -> np.ndarray:  # [R] batch rows -> [R] float64
-        """:meth:`row_ratio` of each of ``rows``."""
-        counts, strength = self._row_counts, self.row_strength
-        size = counts.shape[1]  # the rows seen so far
-        if not size:
-            return np.ones(len(rows))
-        known = rows < size  # [R]
-        accepted = np.where(known, counts[0, np.minimum(rows, size - 1)], 0.0)  # [R]
-        expected = np.where(known, counts[1, np.minimum(rows, size - 1)], 0.0)  # [R]
-        return (accepted + strength) / (expected + strength)
+    def _ratios(self, rows: np.ndarray) -> np.ndarray:  # [R] observed batch rows -> [R]
+        """:meth:`row_ratio` of each of ``rows``, rows the counts cover (every row an
+        :meth:`observe` with ``remaining`` reported)."""
+        accepted, expected = self._row_counts[:, rows]  # [R], [R]
+        return (accepted + self.row_strength) / (expected + self.row_strength)
 
     def _observe_rows(
         self, rows: np.ndarray, accepted: np.ndarray, remaining: np.ndarray, drafted: int
