@@ -65,7 +65,11 @@ class RankingChoice(AcceptanceEstimator):
         learned: the learned estimator (a default :class:`RequestHistory` if omitted).
         margin: nats per token by which the learned log-loss must beat the draft's (the
             AUCs are compared as they are).
-        decay: per-step factor on the statistics.
+        decay: per-step factor on the statistics. A short memory, because the learned
+            estimate improves as it learns: statistics that remember its first steps keep
+            the draft's ranking after the learned one has overtaken it (0.99 did so for 18 of
+            47 steps on one pair, 0.9 for 13); much shorter memories let noise flip the
+            choice on a calibrated draft.
     """
 
     name = "choice"
@@ -78,7 +82,7 @@ class RankingChoice(AcceptanceEstimator):
         self,
         learned: AcceptanceEstimator | None = None,
         margin: float = 0.0,
-        decay: float = 0.99,
+        decay: float = 0.9,
     ) -> None:
         if learned is not None and not isinstance(learned, AcceptanceEstimator):
             raise TypeError(
