@@ -208,3 +208,18 @@ def test_every_command_line_option_is_in_the_guide() -> None:
         options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
         missing = [o for o in options if o != "--help" and f"`{o}" not in guide]
         assert not missing, f"specselect {name}: {missing} not in docs/compare.md"
+
+
+def test_the_guide_shows_speculative_generate_s_signature() -> None:
+    """docs/guide-generation.md's signature of ``speculative_generate`` names its parameters
+    in order (a parameter added to the function and not to the guide fails here)."""
+    import inspect
+
+    from specselect.hf import speculative_generate
+
+    guide = (ROOT / "docs" / "guide-generation.md").read_text(encoding="utf-8")
+    shown = re.search(r"`speculative_generate\((.*?)\)`", guide, re.DOTALL)
+    assert shown is not None, "no `speculative_generate(...)` signature in the guide"
+    names = [re.split(r"[=\s]", part.strip())[0] for part in shown.group(1).split(",")]
+    real = list(inspect.signature(speculative_generate).parameters)
+    assert [n for n in names if n != "*"] == real

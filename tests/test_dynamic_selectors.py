@@ -551,3 +551,11 @@ def test_dsd_with_max_k_zero_never_drafts() -> None:
         selector.select(torch.zeros(2, windows[-1]))
         selector.observe([0, 0], [0, 0])
     assert windows == [0] * 6
+
+
+def test_heuristic_reset_rows_names_a_mask_of_another_batch() -> None:
+    """A mask of the wrong length is named as such (not only "call reset()")."""
+    selector = HeuristicSelector(k0=2, max_k=4)
+    selector.select(torch.full((3, 4), -0.1))
+    with pytest.raises(ValueError, match="rows must have one entry per batch row"):
+        selector.reset_rows(torch.tensor([True, False]))

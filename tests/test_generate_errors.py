@@ -175,6 +175,7 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
     # of another kind (token classification), generated junk; a compiled one was refused as
     # lacking cache arguments (its wrapper's forward takes *args, **kwargs).
     ("no lm head", "draft", lambda m: LlamaModel(m[0].config), TypeError, "no language-model"),
+    ("no draft", "draft", lambda m: None, TypeError, r"draft=None is for plain decoding"),
     (
         "classification head",
         "target",
@@ -318,7 +319,7 @@ CASES: list[tuple[str, str, Callable[[Any], Any], type[Exception], str]] = [
     ("temperature 0", "temperature", lambda m: 0.0, ValueError, "temperature"),
     ("top_p > 1", "top_p", lambda m: 1.5, ValueError, "top_p"),
     ("min_p > 1", "min_p", lambda m: 1.5, ValueError, r"min_p must be in \[0, 1\]"),
-    ("top_k negative", "top_k", lambda m: -3, ValueError, "top_k"),
+    ("top_k negative", "top_k", lambda m: -3, ValueError, r"top_k must be >= 0, got -3"),
     (
         "beam search config",
         "generation_config",
@@ -677,7 +678,9 @@ def test_prompt_ids_beyond_the_tokenizer_are_refused(models) -> None:
     ids, mask = left_padded_prompts(4, 2, 6, VOCAB, 0)
     ids = ids.clamp(max=VOCAB - 9)  # within the tokenizer, but for the id set below
     ids[0, -1] = VOCAB - 4
-    with pytest.raises(ValueError, match=rf"input_ids must be token ids in \[0, {VOCAB - 8}\)"):
+    with pytest.raises(
+        ValueError, match=rf"ids in \[0, {VOCAB - 8}\), .*len\(tokenizer\).* to {VOCAB - 4}"
+    ):
         call(models, input_ids=ids, attention_mask=mask, tokenizer=range(VOCAB - 8))
     ids[0, -1] = VOCAB - 9
     call(models, input_ids=ids, attention_mask=mask, tokenizer=range(VOCAB - 8))

@@ -98,14 +98,17 @@ def test_selectors_select_the_same_with_either_kernel(fused: None, tree: bool, w
 
 
 def test_disabled_block_uses_the_pytorch_kernel(fused: None) -> None:
+    """Inside the block the PyTorch kernel serves, and available() and status() say so."""
     costs = torch.rand(4, 4)
-    assert native.usable_for(costs, None)
+    assert native.usable_for(costs, None) and native.available()
     with native.disabled():
-        assert not native.usable_for(costs, None)
+        assert not native.usable_for(costs, None) and not native.available()
+        assert native.status().startswith("disabled by specselect.native.disabled()")
         with native.disabled():
             assert not native.usable_for(costs, None)
         assert not native.usable_for(costs, None)
-    assert native.usable_for(costs, None)
+    assert native.usable_for(costs, None) and native.available()
+    assert "disabled" not in native.status()
 
 
 @pytest.mark.parametrize(

@@ -22,10 +22,17 @@ import pytest
 import torch
 
 from conftest import OneDevicePerOp, random_logprobs
-from specselect import make_selector
+from specselect import _checks, make_selector, set_device_value_checks
 from specselect._checks import trusted_values
 from specselect.estimators import AcceptanceEstimator
-from specselect.selection import CaptureToken, Selection, Selector, prefix_mask
+from specselect.selection import (
+    CaptureToken,
+    Selection,
+    Selector,
+    prefix_mask,
+    window_selection,
+    window_tree_selection,
+)
 from specselect.selectors import SELECTORS
 from specselect.tree import available_nodes, chain_parents
 
@@ -952,3 +959,44 @@ def test_update_refuses_lengths_that_do_not_count_the_mask(name: str) -> None:
     wrong = Selection(selection.lengths + 2, selection.mask)
     with pytest.raises(ValueError, match=r"selection.lengths\[0\] = .* lengths must count"):
         selector.update(wrong, wrong.lengths)
+
+
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_device_value_checks_take_a_bool_only(value: object) -> None:
+    """``bool("false")`` is True: a non-bool would switch the checks on by mistake."""
+    with pytest.raises(TypeError, match="enabled must be True or False"):
+        set_device_value_checks(value)  # type: ignore[arg-type]
+    assert _checks._DEVICE_VALUE_CHECKS is False  # still off
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda lp: window_selection(lp, None, -1), ValueError, "window must be >= 0, got -1"),
+        (lambda lp: window_selection(lp, None, 1.5), TypeError, "window must be an int"),
+        (
+            lambda lp: window_selection(lp, None, torch.tensor([1, 2, 3])),
+            ValueError,
+            r"window must have shape \[2\]",
+        ),
+        (
+            lambda lp: window_selection(lp, None, torch.tensor([1, -2])),
+            ValueError,
+            "window must be >= 0, got min -2",
+        ),
+        (
+            lambda lp: window_tree_selection(
+                lp, None, chain_parents(2, 3), torch.arange(1, 4).expand(2, 3), -2
+            ),
+            ValueError,
+            "window must be >= 0",
+        ),
+        (lambda lp: chain_parents(2, -1), ValueError, "width must be >= 0, got -1"),
+        (lambda lp: chain_parents(2.0, 3), TypeError, "rows must be an int"),
+    ],
+)
+def test_window_helpers_refuse_a_bad_window(call, error: type, match: str) -> None:
+    """A negative window would select nothing silently; a window of another batch would
+    fail deep inside torch."""
+    with pytest.raises(error, match=match):
+        call(torch.full((2, 3), -0.5))

@@ -989,7 +989,7 @@ def test_goodput_depth_model_reads_trees_per_depth() -> None:
         (([1, -2], [0, 0]), ValueError, r"verified\[1\] must be >= 0"),
         (([1.5], [0]), TypeError, r"verified\[0\] must be an int"),
         (([True], [0]), TypeError, r"verified\[0\] must be an int"),
-        ((torch.tensor([[1]]), [0]), TypeError, "verified must be a sequence"),
+        ((torch.tensor([[1]]), [0]), ValueError, r"verified must be 1-D .* shape \(1, 1\)"),
         ((torch.tensor([1], device="meta"), [0]), TypeError, "verified must be host values"),
         ((torch.tensor([1.0]), [0]), TypeError, r"verified\[0\] must be an int"),
         (("12", [0, 0]), TypeError, "verified must be a sequence"),
@@ -1000,7 +1000,7 @@ def test_goodput_depth_model_reads_trees_per_depth() -> None:
         (([3, 0], [0, 0], [0, 0]), ValueError, r"deepest\[0\] must be >= 1 where the row"),
         (([3, 2], [1, 0], None, [True, False]), ValueError, "1 rows marked active for 2 entries"),
         (([3, 2], [1, 0], None, [True, 1, True]), TypeError, r"active\[1\] must be a bool"),
-        (([3], [1], None, torch.tensor([[True]])), TypeError, "active must be a sequence of bools"),
+        (([3], [1], None, torch.tensor([[True]])), ValueError, "active must be 1-D"),
         (([3], [1], None, "1"), TypeError, "active must be a sequence of bools"),
     ],
 )

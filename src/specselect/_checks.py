@@ -34,7 +34,9 @@ def set_device_value_checks(enabled: bool) -> None:
     make. Turn it on while debugging a new integration.
     """
     global _DEVICE_VALUE_CHECKS
-    _DEVICE_VALUE_CHECKS = bool(enabled)
+    if not isinstance(enabled, bool):  # bool("false") is True: a typo would switch them on
+        raise TypeError(f"enabled must be True or False, got {type(enabled).__name__}")
+    _DEVICE_VALUE_CHECKS = enabled
 
 
 @contextlib.contextmanager

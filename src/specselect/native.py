@@ -70,14 +70,18 @@ class _State:
 
 
 def available() -> bool:
-    """Whether the fused CPU kernel is usable (builds and loads it on the first call)."""
+    """Whether the fused CPU kernel is usable now (builds and loads it on the first call):
+    False inside :func:`disabled`."""
     _load()
-    return _State.function is not None
+    return _State.function is not None and not _State.suspended
 
 
 def status() -> str:
-    """One line: the fused kernel's library path, or why the PyTorch kernel is used instead."""
+    """One line: the fused kernel's library path, or why the PyTorch kernel is used instead
+    (also inside :func:`disabled`)."""
     _load()
+    if _State.function is not None and _State.suspended:
+        return f"disabled by specselect.native.disabled(): the PyTorch kernel ({_State.reason})"
     return _State.reason
 
 
@@ -127,7 +131,7 @@ def cheapest_mask(costs: Tensor, budget: int, keep: Tensor | None = None) -> tup
         budget: Python int >= 0.
         keep: optional ``[B]`` bool CPU tensor.
 
-    Raises ``RuntimeError`` where the kernel is not :func:`available`, ``ValueError`` for
+    Raises ``RuntimeError`` where the kernel could not be loaded, ``ValueError`` for
     arguments it cannot read (:func:`usable_for` says which tensors it serves).
     """
     _load()

@@ -577,7 +577,8 @@ class Selector(abc.ABC):
             TypeError: an entry is not an int (a bool, for ``active``), or a tensor is not on
                 the CPU (reading it would be a sync the caller should see), or ``waiting`` is
                 not a bool.
-            ValueError: the sequences differ in length, or an entry is negative, or a row
+            ValueError: the sequences differ in length, or an array or tensor is not 1-D, or
+                an entry is negative, or a row
                 accepted more than it verified, or its deepest depth is not between what it
                 accepted and what it verified (at least 1 where it verified anything), or
                 ``deepest`` is missing after a tree selection, or ``active`` does not mark one
@@ -1015,6 +1016,10 @@ def _host_list(name: str, values: object, entries: str) -> list[Any]:
                 "loop read back (e.g. .tolist())"
             )
         return values.tolist()
+    if isinstance(values, np.ndarray | Tensor):
+        raise ValueError(
+            f"{name} must be 1-D (one entry per active row), got shape {tuple(values.shape)}"
+        )
     if isinstance(values, str | bytes) or not isinstance(values, Sequence):
         raise TypeError(f"{name} must be a sequence of {entries}, got {type(values).__name__}")
     return list(values)
@@ -1159,12 +1164,23 @@ def window_selection(
     step runs this, and in eager mode on a GPU each kernel costs a launch: five here against
     seven through the lengths."""
     width = draft_logprobs.shape[1]
+    window = _checked_window(window, draft_logprobs)
     selectable = draft_logprobs.cummin(dim=1).values > NEG_INF  # [B, K] a prefix per row
     if isinstance(window, Tensor):
         inside = prefix_mask(window, width)  # [B, K]
     else:
         inside = cached_constant(("window", width, window, draft_logprobs.device), _window)
     return Selection.from_mask(selectable & inside, active)
+
+
+def _checked_window(window: object, draft_logprobs: Tensor) -> int | Tensor:
+    """``window`` if it is an int >= 0 or a ``[B]`` integer tensor on the draft's device (its
+    values checked >= 0 where that needs no sync): a negative window would select nothing
+    silently."""
+    if isinstance(window, Tensor):
+        rows, device = draft_logprobs.shape[0], draft_logprobs.device
+        return check_non_negative("window", check_row_ints("window", window, rows, device))
+    return check_int("window", window)
 
 
 def _window(width: int, window: int, device: torch.device) -> Tensor:  # -> [1, width] bool
@@ -1180,6 +1196,7 @@ def window_tree_selection(
 ) -> Selection:
     """Every selectable node of an active row at most ``window`` deep: a window read as a
     depth (DSD, the heuristic). Closed under ancestors, as a node's are shallower."""
+    window = _checked_window(window, draft_logprobs)
     if isinstance(window, Tensor):
         window = window.unsqueeze(1)  # [B, 1]
     available = available_nodes(draft_logprobs, parents)  # [B, N]

@@ -223,6 +223,7 @@ def sibling_rank(parents: Tensor) -> Tensor:
 
 def chain_parents(rows: int, width: int, device: torch.device | str = "cpu") -> Tensor:
     """``[rows, width]`` parents of chains: ``parents[:, j] = j - 1``."""
+    rows, width = check_int("rows", rows), check_int("width", width)
     return (torch.arange(width, device=device) - 1).expand(rows, width).contiguous()
 
 

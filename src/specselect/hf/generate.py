@@ -328,6 +328,11 @@ def _checked_models(
             "speculative_generate needs a selector that decides from the draft's side"
         )
     t_handle = ModelHandle.of("target", target)
+    if selector is not None and draft is None:
+        raise TypeError(
+            "draft must be a HuggingFace causal LM for a selector to draft with, got None "
+            "(draft=None is for plain decoding, selector=None)"
+        )
     d_handle = None if selector is None else ModelHandle.of("draft", draft)
     if tokenizer is not None and not isinstance(tokenizer, Sized):
         raise TypeError(
@@ -466,7 +471,11 @@ def check_prompts(
         raise ValueError(_unpadded_reason(mask, mask_pad_token_id if inferred else None))
     vocab = target.vocab if vocab is None else vocab
     if not bool(((ids >= 0) & (ids < vocab)).all()):
-        raise ValueError(f"input_ids must be token ids in [0, {vocab})")
+        raise ValueError(
+            f"input_ids must be token ids in [0, {vocab}), the shared vocabulary (len(tokenizer) "
+            f"where tokenizer= is given, else the models' logit width); got ids from "
+            f"{int(ids.min())} to {int(ids.max())}"
+        )
     return ids, mask
 
 

@@ -264,12 +264,11 @@ def _sampling(config: GenerationConfig) -> SamplingParams:
     if not config.do_sample:
         return SamplingParams(do_sample=False)
     temperature = 1.0 if config.temperature is None else check_temperature(config.temperature)
-    top_k = config.top_k
-    top_k = None if top_k in (None, 0) else check_int("top_k", top_k, minimum=1)
+    top_k = None if config.top_k is None else check_int("top_k", config.top_k)  # 0: every token
     top_p = None if config.top_p is None else check_top_p(config.top_p)
     min_p = None if config.min_p is None else check_min_p(config.min_p)
     return SamplingParams(
-        True, temperature, top_k, None if top_p == 1.0 else top_p, min_p if min_p else None
+        True, temperature, top_k or None, None if top_p == 1.0 else top_p, min_p if min_p else None
     )
 
 

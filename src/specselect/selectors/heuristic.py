@@ -248,7 +248,8 @@ class HeuristicSelector(Selector):
         if batch != held:
             raise ValueError(
                 f"{argument} has {batch} rows, but HeuristicSelector holds windows for {held} "
-                "rows; call reset() before a new batch"
+                f"rows: {argument} must have one entry per batch row, or, for a new batch, "
+                "call reset() first"
             )
 
     def _current(self) -> list[int] | None:
