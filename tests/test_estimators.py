@@ -1131,3 +1131,33 @@ def test_a_selector_moved_to_cuda_keeps_what_it_learned() -> None:
     for gpu, cpu in zip(learned_tensors(moved), learned_tensors(stayed), strict=True):
         assert gpu.device.type == "cuda"
         torch.testing.assert_close(gpu.cpu(), cpu)
+
+
+class LateLearner(AcceptanceEstimator):
+    """Orders the tokens of :func:`by_row` backwards for its first ``bad_steps`` steps of
+    learning, then by their true acceptance probability: a learning curve."""
+
+    def __init__(self, bad_steps: int) -> None:
+        self.bad_steps, self.steps = bad_steps, 0
+
+    def estimate(self, draft_logprobs: torch.Tensor, positions=None) -> torch.Tensor:
+        truth = by_row(draft_logprobs.exp(), torch.arange(draft_logprobs.shape[0]))
+        return (1 - truth if self.steps < self.bad_steps else truth).clamp(min=1e-3).log()
+
+    def learn(self, draft_logprobs, tested, passed, positions=None) -> None:
+        self.steps += 1
+
+
+def test_the_choice_forgets_the_learning_curve() -> None:
+    """After 20 steps of a learned estimate that ranked backwards, the choice switches to it
+    within 20 steps of its ranking better: statistics that remember the bad start for long
+    keep the draft's ranking after the learned one overtook it (the earlier decay, 0.99,
+    switched after 46 steps here; docs/estimators.md)."""
+    choice = RankingChoice(learned=LateLearner(bad_steps=20))
+    run_stream(choice, by_row, steps=20)
+    assert not bool(choice.uses_learned())
+    good_steps = 0
+    while not bool(choice.uses_learned()) and good_steps < 20:
+        run_stream(choice, by_row, steps=1, seed=100 + good_steps)
+        good_steps += 1
+    assert bool(choice.uses_learned()), "still on the draft's ranking after 20 good steps"

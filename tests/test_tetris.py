@@ -32,7 +32,7 @@ from specselect._checks import trusted_values
 from specselect.cost import CostModel, PassCost
 from specselect.estimators import RankingGuard
 from specselect.selectors import TetrisSelector
-from specselect.selectors.goodput import GoodputPlanner, StepTimes, default_costs
+from specselect.selectors.goodput import SPREAD_DECAY, GoodputPlanner, StepTimes, default_costs
 from specselect.topc import cheapest_mask, cheapest_mask_torch, cheapest_per_row
 from specselect.tree import chain_parents, path_sums
 
@@ -1110,6 +1110,11 @@ def test_default_tetris_computes_a_steps_outcomes_once(monkeypatch: pytest.Monke
     assert len(calls) == 1
 
 
+# Verification's fixed cost dominates and a draft pass costs a fifth of it: rows that accept
+# everything make a deep draft pay, a row that accepts nothing is slowed by every pass.
+DRAIN_COSTS = PassCosts(fixed=10.0, per_row=0.1, knee=0, beyond=0.01, draft=2.0)
+
+
 def drain_steps(
     selector: TetrisSelector, steps: int, rows_accepting: list[bool], left: list[int], **kwargs
 ) -> list[int]:
@@ -1134,7 +1139,7 @@ def test_a_draining_budget_drafts_for_the_slowest_row(slowest: str) -> None:
     it is a row that accepts everything, the deep draft still finishes it soonest."""
     good = [False, True, True, True]
     left = [50, 10, 10, 10] if slowest == "straggler" else [2, 50, 50, 50]
-    queued, draining = (goodput_tetris(COST_SHAPES["flat"], k=2, extra=3) for _ in range(2))
+    queued, draining = (goodput_tetris(DRAIN_COSTS, k=2, extra=3) for _ in range(2))
     deep = drain_steps(queued, 12, good, left, waiting=True)
     drained = drain_steps(draining, 12, good, left, waiting=False)
     assert min(deep) >= 3
@@ -1142,7 +1147,7 @@ def test_a_draining_budget_drafts_for_the_slowest_row(slowest: str) -> None:
         assert drained[1:5] == [0, 0, 0, 0] and drained.count(0) >= 4
     else:
         assert drained == deep
-    unknown = goodput_tetris(COST_SHAPES["flat"], k=2, extra=3)  # a loop that does not say
+    unknown = goodput_tetris(DRAIN_COSTS, k=2, extra=3)  # a loop that does not say
     assert drain_steps(unknown, 12, good, left) == deep
 
 
@@ -1151,15 +1156,15 @@ def test_a_finished_row_s_next_request_starts_a_fresh_row_model() -> None:
     modelled afresh (ratio 1), not by the finished one's failures; and the finished row no
     longer holds the batch back."""
     good, left = [False, True, True, True], [50, 10, 10, 10]
-    selector = goodput_tetris(COST_SHAPES["flat"], k=2, extra=3)
+    selector = goodput_tetris(DRAIN_COSTS, k=2, extra=3)
     drain_steps(selector, 2, good, left, waiting=False)
     planner = selector.planner
-    assert planner.row_ratio(0) < 0.2 < 1.0 < planner.row_ratio(1)
+    assert planner.row_ratio(0) < 0.3 < 1.0 < planner.row_ratio(1)
     assert selector.draft_length(4) == 0  # the straggler decides
     stuck = copy.deepcopy(selector)
     drain_steps(selector, 1, good, [0, 9, 9, 9], waiting=False)  # it finishes
     drain_steps(stuck, 1, good, [49, 9, 9, 9], waiting=False)  # it does not
-    assert selector.planner.row_ratio(0) == 1.0 and stuck.planner.row_ratio(0) < 0.2
+    assert selector.planner.row_ratio(0) == 1.0 and stuck.planner.row_ratio(0) < 0.3
     assert selector.draft_length(4) >= 3 and stuck.draft_length(4) == 0
 
 
@@ -1248,3 +1253,58 @@ def test_goodput_time_tables_are_the_cost_model_s_times(knee: float | None) -> N
     grown = StepTimes(cost)
     grown.verify(7, 20)  # extended later, as the planner does
     assert grown.verify(7, 60).tolist() == table.tolist()
+
+
+def test_row_ratios_follow_their_formula() -> None:
+    """Each row's ratio, recomputed by hand step by step: counts decayed by ``row_decay`` (the
+    squared expectations by its square) on drafting steps only; a finished row zeroed; the
+    spread from the unfinished rows' distances to their common ratio (``G / (G - 1)``), less
+    noise, decayed by ``SPREAD_DECAY`` per drafting step; ``rho = 1 + w (raw - 1)``."""
+    planner = GoodputPlanner(3, DRAIN_COSTS, row_decay=0.5, row_dispersion=0.35)
+    outcomes = [  # per step: what each of 3 rows would accept of a full window, tokens left
+        ([3, 0, 2], [30, 30, 30]),
+        ([3, 1, 0], [30, 30, 30]),
+        ([0, 0, 0], [30, 30, 30]),
+        ([0, 0, 0], [30, 30, 30]),
+        ([0, 0, 0], [30, 30, 30]),
+        ([0, 0, 0], [30, 30, 30]),
+        ([3, 0, 3], [30, 0, 30]),  # row 1 finishes
+        ([2, 0, 1], [30, 30, 30]),  # its slot's next request
+    ]
+    counts = [[0.0, 0.0, 0.0] for _ in range(3)]  # per row: accepted, expected, squared
+    spread = terms = 0.0
+    depths = []
+    for wanted, left in outcomes:
+        window = planner.depth(3)
+        depths.append(window)
+        survival, expected = 1.0, 0.0  # the pooled model's tokens at this depth, before
+        for rate in planner.acceptance()[:window]:
+            survival *= rate
+            expected += survival
+        accepted = [min(a, window) for a in wanted]
+        planner.observe(
+            [window] * 3, accepted, [window] * 3, active=[True] * 3, remaining=left, waiting=False
+        )
+        if window:
+            for row, a in enumerate(accepted):
+                c = counts[row]
+                c[:] = [0.5 * c[0] + a, 0.5 * c[1] + expected, 0.25 * c[2] + expected]
+        for row, r in enumerate(left):
+            if r == 0:
+                counts[row] = [0.0, 0.0, 0.0]
+        going = [c for c in counts if c[1] > 0]
+        if window and len(going) >= 2:
+            common = sum(c[0] for c in going) / sum(c[1] for c in going)
+            excess = sum(
+                (c[0] / c[1] - common) ** 2 * len(going) / (len(going) - 1)
+                - 0.35 * c[2] / c[1] ** 2
+                for c in going
+            )
+            spread, terms = SPREAD_DECAY * spread + excess, SPREAD_DECAY * terms + len(going)
+        tau2 = max(spread / terms, 0.0) if terms else 0.0
+        for row, (a, e, e2) in enumerate(counts):
+            noise = 0.35 * e2 / e**2 if e > 0 else 0.0
+            weight = tau2 / (tau2 + noise) if noise > 0 else 0.0
+            expected_rho = 1.0 + weight * ((a / e if e > 0 else 1.0) - 1.0)
+            assert planner.row_ratio(row) == pytest.approx(expected_rho, rel=1e-12), (depths, row)
+    assert 0 in depths and any(depths)  # plain steps and drafting steps both covered

@@ -273,8 +273,9 @@ class GoodputPlanner:
             the deeper ones) in each depth's estimate.
         decay: per-step factor on the observed counts, so that the model follows the batch.
         probe_every: after this many steps in a row that verified nothing, probe (see below).
-        row_decay: per-step factor on each row's own counts (accepted tokens, and what the
-            pooled model expected of it), which the drain rule of :meth:`best_depth` reads.
+        row_decay: per drafting step, the factor on each row's own counts (accepted tokens,
+            and what the pooled model expected of it; its square on the expected tokens that
+            scale the noise), which the drain rule of :meth:`best_depth` reads.
         row_dispersion: the variance of a row's accepted tokens per step over their mean, as
             the drain rule assumes it when it tells a row's streak from chance (see
             :meth:`row_ratio`).
@@ -327,6 +328,8 @@ class GoodputPlanner:
         self.probe_every = check_int("probe_every", probe_every, minimum=1)
         self.row_decay = check_probability("row_decay", row_decay)
         self.row_dispersion = check_real("row_dispersion", row_dispersion, low=0.0, open_low=True)
+        # [3, 1] the per-step factors on a row's counts: accepted, expected, expected squared
+        self._row_decays = np.array([[self.row_decay], [self.row_decay], [self.row_decay**2]])
         self.times = StepTimes(cost_model)
         # [] bool on the selections' device: the probe flag as a captured selection reads it
         # (depth() fills it in place, outside any capture). Made by the first select().
@@ -351,9 +354,9 @@ class GoodputPlanner:
         # pooled model expected of the row at the depths it drafted, and those expected
         # tokens decayed by the square of row_decay (what the noise of the ratio scales with).
         self._row_counts = np.zeros((3, 0))  # [3, rows]
-        # Decayed over drafting steps, summed over the rows with counts: the squared distance
-        # of each row's ratio from 1 less its expected noise, and the number of terms.
-        self._spread = np.zeros(2)  # [2]
+        # Decayed over drafting steps (see _observe_spread): the rows' squared distances from
+        # their common ratio less their noise, summed, and the number of terms.
+        self._spread = self._spread_terms = 0.0
         # While the batch drains: ([R] batch rows, [R] tokens each may still emit) of the
         # unfinished rows the last observe() reported; None while requests wait or unsaid.
         self._draining: tuple[np.ndarray, np.ndarray] | None = None
@@ -464,7 +467,7 @@ class GoodputPlanner:
         over what the pooled model expected of it (:meth:`row_ratio`). A row the draft
         rarely agrees with gains little from a deeper draft, so when it is the slowest, the
         cheaper step wins: replaying the shipped pair's static batches of 8 on an H100's
-        graph-mode costs, the budget drafts 1.1 to 1.2 deep where it drafted 1.9 to 2.4 for
+        graph-mode costs, the budget drafts 1.2 to 1.3 deep where it drafted 1.9 to 2.4 for
         goodput, and finishes sooner.
         """
         active = check_int("active", active)
@@ -519,14 +522,25 @@ class GoodputPlanner:
         Its raw ratio (counts decayed by :attr:`row_decay` per drafting step) is pulled
         towards 1 as an empirical-Bayes estimate: ``rho = 1 + w * (raw - 1)`` with
         ``w = tau2 / (tau2 + noise)``. ``noise`` is the variance that chance alone gives the
-        raw ratio (:attr:`row_dispersion` times the squared-decayed expected tokens over the
-        square of the decayed ones); ``tau2`` is how much the rows' ratios have differed
-        beyond their noise, over the run's recent drafting steps. Where rows differ (one the
-        draft never agrees with) a streak counts almost in full; where they are alike, a row's
-        bad streak is taken for chance and the pooled model stands, so one unlucky row does
-        not turn the batch to plain steps, which would teach nothing about it. The default
-        dispersion, 0.35, is below what independent steps would give a chain's accepted
-        count (about 1 to 2): a row's last steps predict its next ones better than that. It
+        raw ratio (:attr:`row_dispersion` times the expected tokens decayed by the square of
+        :attr:`row_decay`, over the square of those decayed by it). ``tau2`` is how far the
+        rows' ratios lie apart beyond their noise: each drafting step, over the unfinished
+        rows with counts (two at least), the squared distance of each ratio from the rows'
+        common ratio (``sum(accepted) / sum(expected)``), scaled by ``G / (G - 1)`` and less
+        its noise, summed and decayed by ``SPREAD_DECAY`` (0.9) per drafting step, over the
+        decayed number of terms, floored at 0.
+
+        Where rows differ (one the draft never agrees with), a row's streak counts almost in
+        full; where they are alike, a bad streak is taken for chance and the pooled model
+        stands, so one unlucky row does not turn the batch to plain steps, which would teach
+        nothing about it. Each row adds one term, so in a large batch of rows alike one
+        straggler moves ``tau2`` little: after 12 drafting steps of rows that accept
+        everything beside one that accepts nothing, that row's ratio is 0.23 among 4 rows,
+        0.36 among 16 and 0.92 among 32 (it is told apart in small batches and in the tail of
+        a drain, less in a full large batch). The default dispersion,
+        0.35, is what a one-token draft accepted 65% of the time gives (variance over mean
+        ``1 - p``); deeper drafts give about 1 or more, so a row's streak counts for more
+        than independent steps would say: its last steps predict its next ones better. It
         was chosen on exact replay of two pairs and checked on a third.
         """
         row = check_int("row", row)
@@ -538,8 +552,8 @@ class GoodputPlanner:
         """:meth:`row_ratio` of each of ``rows``, rows the counts cover (every row an
         :meth:`observe` with ``remaining`` reported)."""
         raw, noise = self._raw_ratios(rows)  # [R], [R]
-        terms = self._spread[1]
-        spread = max(self._spread[0] / terms, 0.0) if terms else 0.0  # tau2
+        terms = self._spread_terms
+        spread = max(self._spread / terms, 0.0) if terms else 0.0  # tau2
         weight = np.divide(spread, spread + noise, out=np.zeros_like(noise), where=noise > 0)
         return 1.0 + weight * (raw - 1.0)
 
@@ -557,22 +571,35 @@ class GoodputPlanner:
     ) -> None:
         """Each reported row's decayed counts (accepted tokens, what the pooled model before
         this step's outcomes expected of it at the step's depth), then the rows' spread. A
-        plain step (nothing drafted) is no evidence and changes nothing. A row this step
+        plain step (nothing drafted) is no evidence and changes no count. A row this step
         finished (nothing remaining) starts afresh: its slot's next request is another."""
-        counts = self._row_counts
+        counts = self._row_counts  # [3, rows]
         if len(rows) and counts.shape[1] <= rows.max():
             grow = int(rows.max()) + 1 - counts.shape[1]
             counts = self._row_counts = np.pad(counts, ((0, 0), (0, grow)))
         if drafted:
             expected = _running_sums(self.acceptance())[min(drafted, self.max_depth)]
-            counts[:, rows] *= [[self.row_decay], [self.row_decay], [self.row_decay**2]]
+            counts[:, rows] *= self._row_decays
             counts[0, rows] += accepted
             counts[1:, rows] += expected
         counts[:, rows[remaining == 0]] = 0.0
-        if drafted:  # the unfinished rows' ratios, beyond their noise
-            raw, noise = self._raw_ratios(rows[counts[1, rows] > 0])  # [G], [G]
-            self._spread *= SPREAD_DECAY
-            self._spread += [float(((raw - 1.0) ** 2 - noise).sum()), len(raw)]
+        if drafted:
+            self._observe_spread(rows[counts[1, rows] > 0])
+
+    def _observe_spread(self, rows: np.ndarray) -> None:  # [G] unfinished rows with counts
+        """How far the rows' ratios lie apart beyond their noise, this step: the squared
+        distance of each from the rows' common ratio (unbiased: ``G / (G - 1)``), less its
+        noise, added to the decayed sums. Measured from the common ratio, not from 1: while
+        the pooled model lags (every row beating it), the rows do not differ. One row says
+        nothing about how rows differ."""
+        if len(rows) < 2:
+            return
+        accepted, expected, _ = self._row_counts[:, rows]  # [G] each
+        raw, noise = self._raw_ratios(rows)  # [G], [G]
+        common = accepted.sum() / expected.sum()
+        excess = (raw - common) ** 2 * len(rows) / (len(rows) - 1) - noise  # [G]
+        self._spread = SPREAD_DECAY * self._spread + float(excess.sum())
+        self._spread_terms = SPREAD_DECAY * self._spread_terms + len(rows)
 
     # ------------------------------------------------------------------ device: the budget
     def select(self, costs: Tensor, active: Tensor | None, passes: Tensor | int) -> Tensor:
