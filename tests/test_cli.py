@@ -813,6 +813,30 @@ def test_compare_import_of_a_broken_module_shows_its_traceback(
     assert module not in sys.modules
 
 
+@pytest.mark.parametrize(
+    ("registers", "message"),
+    [
+        ('SELECTORS["bad name"] = FixedWindowSelector', "a name must be non-empty, without"),
+        ('SELECTORS["notcls"] = 42', "'notcls' must be a subclass of Selector"),
+    ],
+)
+def test_compare_import_whose_registration_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, registers: str, message: str
+) -> None:
+    """The registry's own refusal is specselect's check, not the module's bug: one line."""
+    module = f"refused_{os.getpid()}"
+    imports = (
+        "from specselect import FixedWindowSelector\nfrom specselect.selectors import SELECTORS"
+    )
+    source = f"{imports}\n{registers}\n"
+    (tmp_path / f"{module}.py").write_text(source, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    code, stdout, stderr = run_main(["compare", "--import", module, "--out", "out"])
+    assert code == 2 and stdout == "" and not (tmp_path / "out").exists()
+    assert stderr.startswith(f"specselect compare: error: --import {module}: ")
+    assert message in stderr and stderr.count("\n") == 1
+
+
 def test_vsr_undefined_when_nothing_verified() -> None:
     """0 / 0 is shown as '-' and written as null, never as 0 or -100% vs fixed."""
     rows = [
@@ -1177,10 +1201,12 @@ def test_profile_needs_no_tokenizer(model_dirs: dict[str, Path], tmp_path: Path)
     draft = model_dirs["draft"]
     assert not list(draft.glob("tokenizer*")) and not list(draft.glob("vocab*"))
     out = tmp_path / "cost.json"
+    out.with_suffix(".png").write_bytes(b"an earlier run's plot")
     models = ["--target", str(draft), "--draft", str(draft)]
     argv = ["profile", *models, "--out", str(out), "--quiet", "--no-plots", *PROFILE_GRID]
     code, _, stderr = run_main(argv)
     assert code == 0, stderr
+    assert not out.with_suffix(".png").exists()  # it would pass for this run's fit
     source = CostModel.load(out).source
     assert source is not None and source.models["target"] == source.models["draft"]
 
@@ -1377,3 +1403,15 @@ def test_an_unknown_option_points_at_the_subcommands_help(command: str) -> None:
         f"specselect {command}: error: unrecognized arguments: --kk 3 "
         f"(see specselect {command} --help)\n"
     )
+
+
+def test_a_refused_compare_leaves_no_empty_out(tmp_path: Path) -> None:
+    """--out is created before the work to check it is writable; a run refused after that
+    check (an empty prompts file) removes the directories it created, and only those."""
+    prompts = tmp_path / "empty.txt"
+    prompts.write_text("", encoding="utf-8")
+    out = tmp_path / "kept" / "new" / "out"
+    (tmp_path / "kept").mkdir()
+    code, _, stderr = run_main(["compare", "--prompts", str(prompts), "--out", str(out), "--quiet"])
+    assert code == 2 and "holds no prompts" in stderr
+    assert not (tmp_path / "kept" / "new").exists() and (tmp_path / "kept").is_dir()

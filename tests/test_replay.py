@@ -1303,3 +1303,23 @@ def test_speculative_generate_calls_observe_like_replay(tiny_pair: tuple, model_
     spy.observed = []
     replay(model_traces, spy, slots=3, refill=False)
     assert spy.observed == live
+
+
+@pytest.mark.parametrize(
+    ("new_tokens", "max_k", "named"), [(8, 1, "the target embeds"), (6, 3, "the draft embeds")]
+)
+def test_recording_refuses_positions_beyond_a_learned_table(
+    new_tokens: int, max_k: int, named: str
+) -> None:
+    """A model with a table of 16 positions (GPT-2's ``n_positions``) cannot be fed 17 tokens:
+    an error naming the model and what to change, before any work (it was an index error deep
+    in the forward). The target is fed prompt + new_tokens - 1 tokens, the draft max_k - 1
+    more."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+    model = GPT2LMHeadModel(config).eval()
+    prompt = [torch.arange(1, 11)]  # 10 tokens
+    with pytest.raises(ValueError, match=rf"{named} at most 16 positions .* needs 17"):
+        record_traces(model, model, prompt, new_tokens, max_k)
+    record_traces(model, model, prompt, new_tokens - 1, 1)  # 16 fits

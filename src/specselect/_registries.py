@@ -20,6 +20,21 @@ T = TypeVar("T")
 _NAME = re.compile(r"[^\s+,\-][^\s+,]*")
 
 
+class RegistrationError(Exception):
+    """A registration the registry refuses. Raised as :class:`RefusedName` (a ``ValueError``)
+    or :class:`RefusedClass` (a ``TypeError``), so that ``except ValueError`` still works and a
+    caller importing a user's module (``compare --import``) can tell the registry's refusal
+    from an error of the module's own code."""
+
+
+class RefusedName(RegistrationError, ValueError):
+    """A name, or a name taken by another class."""
+
+
+class RefusedClass(RegistrationError, TypeError):
+    """Something other than a concrete subclass of the registry's base."""
+
+
 class Registry(MutableMapping[str, type[T]], Generic[T]):
     """Classes by name, refusing what would break a later lookup.
 
@@ -99,41 +114,41 @@ class Registry(MutableMapping[str, type[T]], Generic[T]):
         self._check_class(name, cls)
         held = self._entries.get(name)
         if held is not None and _qualified(held) != _qualified(cls):
-            raise ValueError(
+            raise RefusedName(
                 f"{self._kind} {name!r} is already registered as {_qualified(held)}; to replace "
                 f"it with {_qualified(cls)}, delete the entry first (del {self._label}[{name!r}])"
             )
 
     def _check_name(self, name: object) -> None:
         if not isinstance(name, str):
-            raise TypeError(f"{self._label}: a name must be a str, got {type(name).__name__}")
+            raise RefusedClass(f"{self._label}: a name must be a str, got {type(name).__name__}")
         if _NAME.fullmatch(name) is None:
-            raise ValueError(
+            raise RefusedName(
                 f"{self._label}: a name must be non-empty, without whitespace, '+' or ',' "
                 "(selector specs and comma-separated lists split on them) and not start with "
                 f"'-' (an option on the command line), got {name!r}"
             )
         if name in self._reserved:
-            raise ValueError(
+            raise RefusedName(
                 f"{self._label}: {name!r} cannot be registered; it means {self._reserved[name]}"
             )
 
     def _check_class(self, name: str, cls: object) -> None:
         base = self._base.__name__
         if not (isinstance(cls, type) and issubclass(cls, self._base)):
-            raise TypeError(
+            raise RefusedClass(
                 f"{self._kind} {name!r} must be a subclass of {base} (the class, not an "
                 f"instance), got {cls!r}"
             )
         if inspect.isabstract(cls):
             missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
-            raise TypeError(
+            raise RefusedClass(
                 f"{self._kind} {name!r}: {cls.__name__} is abstract; it must implement {missing}"
             )
         own = getattr(cls, "name", None)
         if own != name:
             inherited = "" if "name" in vars(cls) else ", inherited"
-            raise ValueError(
+            raise RefusedName(
                 f"{self._label}[{name!r}]: {cls.__name__}.name is {own!r}{inherited}; set "
                 f"name = {name!r} in the class (capture keys and reports use it)"
             )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import importlib.util
 import os
@@ -40,6 +41,7 @@ from torch import Tensor
 
 from specselect import __version__
 from specselect._checks import check_usable_device
+from specselect._registries import RegistrationError
 from specselect.cost import CostFileError, CostModel, default_cost_model
 from specselect.replay import (
     OracleSelector,
@@ -287,8 +289,8 @@ def _add_model_arguments(models: Any) -> None:
         "--traces",
         metavar="FILE",
         type=_path,
-        help="reuse traces from this file if it exists (checked against --target/--draft, "
-        "--prompts and --limit when given, and in live mode), else record them and save them "
+        help="reuse traces from this file if it exists (checked against --target/--draft or "
+        "--prompts when given, and in live mode), else record them and save them "
         "there, creating its directory as --out does (default: record, and save them as "
         "traces.pt in --out)",
     )
@@ -700,15 +702,18 @@ def obtain_traces(args: argparse.Namespace, max_k: int) -> tuple[Traces, Inputs 
         check_writable_dir(f"--traces {str(path)!r}", path.parent)
     inputs = load_inputs(args)
     prompt_ids = tokenize(inputs.tokenizer, inputs.prompts)
-    traces = record_traces(
-        inputs.target,
-        inputs.draft,
-        prompt_ids,
-        args.max_new_tokens,
-        max_k,
-        progress=not args.quiet,
-        meta={"source": inputs.source, "device": args.device},
-    )
+    try:
+        traces = record_traces(
+            inputs.target,
+            inputs.draft,
+            prompt_ids,
+            args.max_new_tokens,
+            max_k,
+            progress=not args.quiet,
+            meta={"source": inputs.source, "device": args.device},
+        )
+    except ValueError as exc:  # prompts the models cannot take (checked before recording)
+        raise UsageError(f"--prompts/--max-new-tokens: {exc}") from None
     option, target = ("--traces", path) if path is not None else ("--out", args.out / "traces.pt")
     try:
         save_traces(traces, target)
@@ -802,6 +807,23 @@ def _as_usage_error() -> Iterator[None]:
         raise UsageError(str(exc)) from None
 
 
+@contextlib.contextmanager
+def _removed_if_failed(path: Path) -> Iterator[None]:
+    """Remove the directories of ``path`` that do not exist yet (as
+    :func:`check_writable_dir` creates them) if the block fails while they are still empty: a
+    run refused after the check leaves no empty ``--out`` behind."""
+    missing = [folder for folder in (path, *path.parents) if not folder.exists()]  # deepest first
+    try:
+        yield
+    except BaseException:
+        for folder in missing:
+            try:
+                folder.rmdir()  # only an empty one
+            except OSError:
+                break
+        raise
+
+
 def check_writable_dir(option: str, path: Path) -> None:
     """Create ``path`` (and its parents) and write a probe file in it: a bad ``--out`` must
     fail before the work. ``option`` names the argument in the error.
@@ -868,7 +890,7 @@ def run_compare(args: argparse.Namespace) -> int:
     torch's CPU threads (``--threads``) and, with ``--quiet``, transformers' progress bars are
     set for the run only: a caller of :func:`main` gets its own settings back.
     """
-    with _run_settings(args):
+    with _run_settings(args), _removed_if_failed(args.out):
         return _compare(args)
 
 
@@ -1066,6 +1088,11 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
 
 def run_profile(args: argparse.Namespace) -> int:
     """The ``profile`` command: measure, write the JSON and the plot, print the fit."""
+    with _removed_if_failed(args.out.parent):
+        return _profile(args)
+
+
+def _profile(args: argparse.Namespace) -> int:
     from specselect.profiling import check_grid, format_cost_model, plot_cost_model
 
     check_model_args(args)
@@ -1110,6 +1137,8 @@ def run_profile(args: argparse.Namespace) -> int:
     _warn_poor_fit(model)
     if _draw_plots(args):
         written["plot"] = plot_cost_model(model, plot)
+    elif plot.is_file():  # an earlier run's plot would pass for this model's fit
+        plot.unlink()
     print(format_cost_model(model))
     print()
     for kind, path in written.items():
@@ -1157,8 +1186,9 @@ def import_plugins(argv: Sequence[str]) -> None:
     they make are what ``--selectors`` is checked against and ``--help`` lists.
 
     Raises:
-        UsageError: a module or file that does not exist. An error raised by the module's own
-            code propagates with its traceback: it is the module's to fix.
+        UsageError: a module or file that does not exist, or a registration that the registry
+            refuses (a bad name, a class of the wrong kind). An error raised by the module's
+            own code propagates with its traceback: it is the module's to fix.
     """
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     if command != "compare":  # only compare takes --import: the parser refuses it elsewhere
@@ -1171,14 +1201,18 @@ def import_plugins(argv: Sequence[str]) -> None:
         return
     for target in targets:
         if target.endswith(".py"):
-            _import_file(Path(target))
+            importing = functools.partial(_import_file, Path(target))
         elif not target or "/" in target or os.sep in target or target.startswith("."):
             raise UsageError(
                 f"--import: {target!r} is neither a module name nor a .py file (for a "
                 "package, give its name and run from the directory that holds it)"
             )
         else:
-            _import_module(target)
+            importing = functools.partial(_import_module, target)
+        try:
+            importing()
+        except RegistrationError as exc:  # the registry refused what the module registers
+            raise UsageError(f"--import {target}: {exc}") from None
 
 
 def _import_module(name: str) -> None:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int, check_integer_tensor, check_logprobs
+from specselect.hf.compat import position_limit
 from specselect.lookup import LOOKUP_WINDOW, chain_paths, lookup_features
 from specselect.selection import leading_run
 
@@ -500,7 +501,9 @@ def record_traces(
 
     Raises:
         TypeError, ValueError: a prompt that is not a non-empty 1-D sequence of token ids
-            within the target's vocabulary (named ``prompts[i]``), sizes < 1, or ``meta``
+            within the target's vocabulary (named ``prompts[i]``), sizes < 1, a model whose
+            learned position table is shorter than the longest prompt plus
+            ``max_new_tokens`` (and ``max_k`` for the draft), or ``meta``
             setting a recorded key or holding a value JSON does not give back as it is.
     """
     check_int("max_new_tokens", max_new_tokens, minimum=1)
@@ -511,6 +514,9 @@ def record_traces(
     vocab = _vocab_size(target)
     prompt_ids = [_as_prompt(p, i, vocab) for i, p in enumerate(prompts)]
     n = len(prompt_ids)
+    longest = max(len(p) for p in prompt_ids) + max_new_tokens - 1  # tokens the target is fed
+    _check_positions("target", target, longest)
+    _check_positions("draft", draft, longest + max_k - 1)  # its last continuation's
     _check_meta({} if meta is None else meta)  # before the recording, not after it
     clash = sorted(set(meta or {}) & set(RECORDED_META))
     if clash:
@@ -550,6 +556,19 @@ def record_traces(
         draft_logprobs=draft_logprobs.reshape(n, max_new_tokens, max_k),
         meta=info,
     )
+
+
+def _check_positions(name: str, model: torch.nn.Module, longest: int) -> None:
+    """Raise if ``model`` has a learned table of absolute positions shorter than ``longest``
+    (it would fail with an index error deep in its forward; rotary models extrapolate, as
+    under ``generate``)."""
+    limit = position_limit(model)
+    if limit is not None and longest > limit:
+        raise ValueError(
+            f"the {name} embeds at most {limit} positions (learned absolute position "
+            f"embeddings), but the longest prompt plus max_new_tokens (and, for the draft, "
+            f"max_k) needs {longest}: shorten the prompts or lower max_new_tokens"
+        )
 
 
 def _check_meta(meta: object) -> None:
