@@ -1415,3 +1415,11 @@ def test_a_refused_compare_leaves_no_empty_out(tmp_path: Path) -> None:
     code, _, stderr = run_main(["compare", "--prompts", str(prompts), "--out", str(out), "--quiet"])
     assert code == 2 and "holds no prompts" in stderr
     assert not (tmp_path / "kept" / "new").exists() and (tmp_path / "kept").is_dir()
+
+
+def test_an_out_name_too_long_is_a_usage_error(tmp_path: Path) -> None:
+    """An --out the file system cannot name: one line, exit 2, and no directory left over."""
+    out = tmp_path / "made" / ("x" * 300)
+    code, _, stderr = run_main(["compare", "--out", str(out), "--quiet"])
+    assert code == 2 and stderr.count("\n") == 1 and "cannot create the directory" in stderr
+    assert not (tmp_path / "made").exists()

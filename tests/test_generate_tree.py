@@ -477,10 +477,11 @@ def test_tree_mode_rejects_selectors_it_cannot_serve() -> None:
 def test_tree_mode_rejects_bad_tree_arguments() -> None:
     target, draft, ids, mask, _, _ = case("llama", 0)
     selector = SELECTORS["fixed"]()
+    call = functools.partial(speculative_generate, target, draft, ids, mask, max_new_tokens=4)
     with pytest.raises(TypeError, match="tree must be a TreeSpec"):
-        speculative_generate(target, draft, ids, mask, selector=selector, tree=(2, 2, 2))
+        call(selector=selector, tree=(2, 2, 2))
     with pytest.raises(ValueError, match="branch"):
-        speculative_generate(target, draft, ids, mask, selector=selector, tree=TreeSpec(2, 999, 1))
+        call(selector=selector, tree=TreeSpec(2, 999, 1))
 
 
 def test_tree_mode_needs_maskable_attention() -> None:

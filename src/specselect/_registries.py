@@ -32,7 +32,7 @@ class RefusedName(RegistrationError, ValueError):
 
 
 class RefusedClass(RegistrationError, TypeError):
-    """Something other than a concrete subclass of the registry's base."""
+    """A name that is not a str, or a class that is not a concrete subclass of the base."""
 
 
 class Registry(MutableMapping[str, type[T]], Generic[T]):

@@ -59,7 +59,7 @@ from specselect.replay import (
     selector_grid,
     traces_summary,
 )
-from specselect.replay.traces import package_versions
+from specselect.replay.traces import check_positions, package_versions
 from specselect.report import PLOTS_SKIPPED, format_table, matplotlib_missing, write_report
 from specselect.selectors.goodput import GOODPUT
 
@@ -524,7 +524,12 @@ def _add_profile_parser(commands: Any) -> None:
         help="the cost model's JSON file (not ending in .png: the plot goes next to it with the "
         "suffix .png) (default: %(default)s)",
     )
-    profile.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
+    profile.add_argument(
+        "--no-plots",
+        action="store_true",
+        help="skip the PNG plot (a plot already next to --out is removed: it would pass for "
+        "this run's fit)",
+    )
     profile.add_argument("--quiet", action="store_true", help="no progress bars")
     profile.set_defaults(func=run_profile, prog=profile.prog)
 
@@ -698,22 +703,30 @@ def obtain_traces(args: argparse.Namespace, max_k: int) -> tuple[Traces, Inputs 
         if inputs is None:
             _warn_unused_model_options(args, name)
         return _requests_to_use(traces, path, inputs, args, max_k), inputs
+    # --out's directories are run_compare's to remove; --traces' parent is created for this.
+    with contextlib.nullcontext() if path is None else _removed_if_failed(path.parent):
+        return _record(args, path, max_k)
+
+
+def _record(args: argparse.Namespace, path: Path | None, max_k: int) -> tuple[Traces, Inputs]:
+    """Record the run's traces and save them to ``path`` (default: ``--out``)."""
     if path is not None:  # before recording, not after: the recording would be lost
         check_writable_dir(f"--traces {str(path)!r}", path.parent)
     inputs = load_inputs(args)
     prompt_ids = tokenize(inputs.tokenizer, inputs.prompts)
     try:
-        traces = record_traces(
-            inputs.target,
-            inputs.draft,
-            prompt_ids,
-            args.max_new_tokens,
-            max_k,
-            progress=not args.quiet,
-            meta={"source": inputs.source, "device": args.device},
-        )
-    except ValueError as exc:  # prompts the models cannot take (checked before recording)
-        raise UsageError(f"--prompts/--max-new-tokens: {exc}") from None
+        check_positions(inputs.target, inputs.draft, prompt_ids, args.max_new_tokens, max_k)
+    except ValueError as exc:
+        raise UsageError(f"--prompts/--max-new-tokens/--k/--extra: {exc}") from None
+    traces = record_traces(
+        inputs.target,
+        inputs.draft,
+        prompt_ids,
+        args.max_new_tokens,
+        max_k,
+        progress=not args.quiet,
+        meta={"source": inputs.source, "device": args.device},
+    )
     option, target = ("--traces", path) if path is not None else ("--out", args.out / "traces.pt")
     try:
         save_traces(traces, target)
@@ -811,16 +824,22 @@ def _as_usage_error() -> Iterator[None]:
 def _removed_if_failed(path: Path) -> Iterator[None]:
     """Remove the directories of ``path`` that do not exist yet (as
     :func:`check_writable_dir` creates them) if the block fails while they are still empty: a
-    run refused after the check leaves no empty ``--out`` behind."""
-    missing = [folder for folder in (path, *path.parents) if not folder.exists()]  # deepest first
+    run refused after the check leaves no empty ``--out`` behind. Directories that existed,
+    or hold anything, are never removed."""
+    missing = []  # deepest first
+    for folder in (Path(os.path.abspath(path)), *Path(os.path.abspath(path)).parents):
+        try:
+            if folder.exists():
+                break
+        except OSError:  # a name too long, a folder we may not look into: leave it be
+            break
+        missing.append(folder)
     try:
         yield
     except BaseException:
         for folder in missing:
-            try:
-                folder.rmdir()  # only an empty one
-            except OSError:
-                break
+            with contextlib.suppress(OSError):  # not empty, or never created: keep going up
+                folder.rmdir()
         raise
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from specselect._checks import check_int, check_integer_tensor, check_logprobs
-from specselect.hf.compat import position_limit
 from specselect.lookup import LOOKUP_WINDOW, chain_paths, lookup_features
 from specselect.selection import leading_run
 
@@ -514,9 +513,7 @@ def record_traces(
     vocab = _vocab_size(target)
     prompt_ids = [_as_prompt(p, i, vocab) for i, p in enumerate(prompts)]
     n = len(prompt_ids)
-    longest = max(len(p) for p in prompt_ids) + max_new_tokens - 1  # tokens the target is fed
-    _check_positions("target", target, longest)
-    _check_positions("draft", draft, longest + max_k - 1)  # its last continuation's
+    check_positions(target, draft, prompt_ids, max_new_tokens, max_k)
     _check_meta({} if meta is None else meta)  # before the recording, not after it
     clash = sorted(set(meta or {}) & set(RECORDED_META))
     if clash:
@@ -558,17 +555,39 @@ def record_traces(
     )
 
 
-def _check_positions(name: str, model: torch.nn.Module, longest: int) -> None:
-    """Raise if ``model`` has a learned table of absolute positions shorter than ``longest``
-    (it would fail with an index error deep in its forward; rotary models extrapolate, as
-    under ``generate``)."""
-    limit = position_limit(model)
-    if limit is not None and longest > limit:
-        raise ValueError(
-            f"the {name} embeds at most {limit} positions (learned absolute position "
-            f"embeddings), but the longest prompt plus max_new_tokens (and, for the draft, "
-            f"max_k) needs {longest}: shorten the prompts or lower max_new_tokens"
-        )
+def check_positions(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    prompts: Sequence[Sized],
+    max_new_tokens: int,
+    max_k: int,
+) -> None:
+    """Raise ``ValueError`` if :func:`record_traces` would feed a model more positions than
+    its learned table of absolute positions holds (GPT-2's ``n_positions``; it would fail with
+    an index error deep in its forward). Rotary models have no table and extrapolate, as under
+    ``generate``. The target is fed the longest prompt plus ``max_new_tokens``, less the last
+    new token (never fed); the draft, continuing ``max_k`` tokens from each position, ``max_k
+    - 1`` more."""
+    from specselect.hf.compat import position_limit  # not at import: it loads transformers
+
+    fed = max(len(p) for p in prompts) + max_new_tokens - 1  # the target's longest row
+    for name, model, longest, extra, lower in (
+        ("target", target, fed, "", "shorten the prompts or lower max_new_tokens"),
+        (
+            "draft",
+            draft,
+            fed + max_k - 1,
+            ", plus max_k - 1",
+            "shorten the prompts or lower max_new_tokens or max_k",
+        ),
+    ):
+        limit = position_limit(model)
+        if limit is not None and longest > limit:
+            raise ValueError(
+                f"the {name} embeds at most {limit} positions (learned absolute position "
+                f"embeddings), but the longest prompt plus max_new_tokens, less the last new "
+                f"token (never fed){extra}, needs {longest}: {lower}"
+            )
 
 
 def _check_meta(meta: object) -> None:

@@ -328,8 +328,6 @@ class GoodputPlanner:
         self.probe_every = check_int("probe_every", probe_every, minimum=1)
         self.row_decay = check_probability("row_decay", row_decay)
         self.row_dispersion = check_real("row_dispersion", row_dispersion, low=0.0, open_low=True)
-        # [3, 1] the per-step factors on a row's counts: accepted, expected, expected squared
-        self._row_decays = np.array([[self.row_decay], [self.row_decay], [self.row_decay**2]])
         self.times = StepTimes(cost_model)
         # [] bool on the selections' device: the probe flag as a captured selection reads it
         # (depth() fills it in place, outside any capture). Made by the first select().
@@ -527,17 +525,19 @@ class GoodputPlanner:
         rows' ratios lie apart beyond their noise: each drafting step, over the unfinished
         rows with counts (two at least), the squared distance of each ratio from the rows'
         common ratio (``sum(accepted) / sum(expected)``), scaled by ``G / (G - 1)`` and less
-        its noise, summed and decayed by ``SPREAD_DECAY`` (0.9) per drafting step, over the
+        its noise, summed and decayed by ``SPREAD_DECAY`` (0.9) per such step, over the
         decayed number of terms, floored at 0.
 
         Where rows differ (one the draft never agrees with), a row's streak counts almost in
         full; where they are alike, a bad streak is taken for chance and the pooled model
         stands, so one unlucky row does not turn the batch to plain steps, which would teach
         nothing about it. Each row adds one term, so in a large batch of rows alike one
-        straggler moves ``tau2`` little: after 12 drafting steps of rows that accept
-        everything beside one that accepts nothing, that row's ratio is 0.23 among 4 rows,
-        0.36 among 16 and 0.92 among 32 (it is told apart in small batches and in the tail of
-        a drain, less in a full large batch). The default dispersion,
+        straggler moves ``tau2`` little: in the tests' drain of 12 steps (a draft pass a
+        fifth of a target pass) of rows that accept everything beside one that accepts
+        nothing, that row's ratio ends at 0.23 among 4 rows (3 of those steps drafted), 0.36
+        among 16 and 0.92 among 32; the figures depend on the costs and the depths drafted.
+        It is told apart in small batches and in the tail of a drain, less in a full large
+        batch. The default dispersion,
         0.35, is what a one-token draft accepted 65% of the time gives (variance over mean
         ``1 - p``); deeper drafts give about 1 or more, so a row's streak counts for more
         than independent steps would say: its last steps predict its next ones better. It
@@ -579,7 +579,8 @@ class GoodputPlanner:
             counts = self._row_counts = np.pad(counts, ((0, 0), (0, grow)))
         if drafted:
             expected = _running_sums(self.acceptance())[min(drafted, self.max_depth)]
-            counts[:, rows] *= self._row_decays
+            decay = self.row_decay
+            counts[:, rows] *= [[decay], [decay], [decay**2]]  # accepted, expected, its noise's
             counts[0, rows] += accepted
             counts[1:, rows] += expected
         counts[:, rows[remaining == 0]] = 0.0
@@ -588,10 +589,11 @@ class GoodputPlanner:
 
     def _observe_spread(self, rows: np.ndarray) -> None:  # [G] unfinished rows with counts
         """How far the rows' ratios lie apart beyond their noise, this step: the squared
-        distance of each from the rows' common ratio (unbiased: ``G / (G - 1)``), less its
-        noise, added to the decayed sums. Measured from the common ratio, not from 1: while
-        the pooled model lags (every row beating it), the rows do not differ. One row says
-        nothing about how rows differ."""
+        distance of each from the rows' common ratio (scaled by ``G / (G - 1)``, about
+        unbiased: the common ratio weighs rows by their expected tokens), less its noise,
+        added to the decayed sums. Measured from the common ratio, not from 1: while the
+        pooled model lags (every row beating it), the rows do not differ. One row says
+        nothing about how rows differ: a step with fewer than two neither adds nor decays."""
         if len(rows) < 2:
             return
         accepted, expected, _ = self._row_counts[:, rows]  # [G] each
