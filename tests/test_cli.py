@@ -1423,3 +1423,35 @@ def test_an_out_name_too_long_is_a_usage_error(tmp_path: Path) -> None:
     code, _, stderr = run_main(["compare", "--out", str(out), "--quiet"])
     assert code == 2 and stderr.count("\n") == 1 and "cannot create the directory" in stderr
     assert not (tmp_path / "made").exists()
+
+
+@pytest.mark.parametrize("name", ["reliability.png", "results.json"])
+def test_an_output_path_that_is_a_directory_is_refused_before_the_work(
+    tmp_path: Path, name: str
+) -> None:
+    """A file the run would write is a directory in --out: refused up front, naming it (the
+    run used to fail after the work, blaming --out, with a half-written report)."""
+    out = tmp_path / "out"
+    (out / name).mkdir(parents=True)
+    code, _, stderr = run_main(["compare", "--out", str(out), "--quiet"])
+    assert code == 2 and stderr.count("\n") == 1
+    assert f"{name!r} there is a directory" in stderr
+    assert sorted(p.name for p in out.iterdir()) == [name]  # nothing recorded or written
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            ["--selectors", "fixed+none"],
+            "argument --selectors: selector spec 'fixed+none': 'fixed'",
+        ),
+        (["--selectors", "dsd", "--budget", "goodput"], "argument --budget: budget 'goodput' adds"),
+    ],
+)
+def test_a_grid_the_selectors_refuse_names_its_option(
+    tmp_path: Path, argv: list[str], says: str
+) -> None:
+    code, _, stderr = run_main(["compare", *argv, "--out", str(tmp_path / "out"), "--quiet"])
+    assert code == 2 and stderr.count("\n") == 1
+    assert stderr.startswith(f"specselect compare: error: {says}")

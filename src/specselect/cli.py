@@ -60,7 +60,13 @@ from specselect.replay import (
     traces_summary,
 )
 from specselect.replay.traces import check_positions, package_versions
-from specselect.report import PLOTS_SKIPPED, format_table, matplotlib_missing, write_report
+from specselect.report import (
+    PLOT_FILES,
+    PLOTS_SKIPPED,
+    format_table,
+    matplotlib_missing,
+    write_report,
+)
 from specselect.selectors.goodput import GOODPUT
 
 EXIT_USAGE = 2
@@ -966,9 +972,11 @@ def _compare(args: argparse.Namespace) -> int:
     try:
         configs = selector_grid(_selector_names(args), args.k, args.extra, args.budget)
     except (TypeError, ValueError) as exc:  # TypeError: a grid_kwargs that cannot map the grid
-        raise UsageError(str(exc)) from None
+        option = "--budget" if str(exc).startswith("budget") else "--selectors"
+        raise UsageError(f"argument {option}: {exc}") from None
     max_k = max(args.k) + max(args.extra)
     check_writable_dir("--out", args.out)
+    _check_outputs_writable(args.out, traces=args.traces is None)
     cost_model = _cost_model(args)
     _check_buildable(configs, cost_model)
     traces, inputs = obtain_traces(args, max_k)
@@ -997,14 +1005,25 @@ def _compare(args: argparse.Namespace) -> int:
     try:
         written = write_report(rows, args.out, meta, plots=_draw_plots(args))
     except OSError as exc:
-        raise UsageError(
-            f"--out {str(args.out)!r}: cannot write the report: {_reason(exc)}"
-        ) from None
+        what = repr(exc.filename) if exc.filename else "the report"
+        raise UsageError(f"--out {str(args.out)!r}: cannot write {what}: {_reason(exc)}") from None
     print(format_table(rows, cost_model=cost["description"]))
     print()
     for kind, path in written.items():
         print(f"{kind}: {path}")
     return 0
+
+
+def _check_outputs_writable(out: Path, *, traces: bool) -> None:
+    """Refuse, before the work, an ``--out`` where a file the run writes (``traces.pt`` too
+    with ``traces``) is a directory: the run would fail after it, with a half-written report."""
+    names = ("results.json", "report.md", *PLOT_FILES.values(), *(("traces.pt",) if traces else ()))
+    for name in names:
+        if (out / name).is_dir():
+            raise UsageError(
+                f"--out {str(out)!r}: {name!r} there is a directory, and the run writes a file "
+                "of that name; remove it or choose another --out"
+            )
 
 
 def _check_buildable(configs: Sequence[SelectorConfig], cost_model: CostModel) -> None:
