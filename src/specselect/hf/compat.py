@@ -260,18 +260,25 @@ def check_context_fits(
     carry no window, so a row must stay within the window to see what ``generate`` sees.
     (Rotary models have no table and extrapolate, as they do under ``generate``.)
     """
-    limit = handle.position_limit
-    if limit is not None and longest > limit:
-        raise ValueError(
-            f"{name} embeds at most {limit} positions (learned absolute position embeddings), "
-            f"but {needs} needs {longest}: {lower}"
-        )
+    check_position_table(name, handle.position_limit, longest, needs, lower)
     window = sliding_window(handle.model)
     if window is not None and longest > window:
         raise ValueError(
             f"{name} uses sliding-window attention (window {window}); the loop attends with "
             f"full masks, so a row must stay within the window, and {needs} needs {longest}: "
             f"{lower}"
+        )
+
+
+def check_position_table(
+    name: str, limit: int | None, longest: int, needs: str, lower: str
+) -> None:
+    """Raise if ``longest`` positions exceed a learned position table of ``limit`` rows
+    (``None``: no table); the message as :func:`check_context_fits` words it."""
+    if limit is not None and longest > limit:
+        raise ValueError(
+            f"{name} embeds at most {limit} positions (learned absolute position embeddings), "
+            f"but {needs} needs {longest}: {lower}"
         )
 
 

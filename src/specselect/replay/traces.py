@@ -568,26 +568,19 @@ def check_positions(
     ``generate``. The target is fed the longest prompt plus ``max_new_tokens``, less the last
     new token (never fed); the draft, continuing ``max_k`` tokens from each position, ``max_k
     - 1`` more."""
-    from specselect.hf.compat import position_limit  # not at import: it loads transformers
+    from specselect.hf.compat import check_position_table, position_limit  # (transformers)
 
     fed = max(len(p) for p in prompts) + max_new_tokens - 1  # the target's longest row
-    for name, model, longest, extra, lower in (
-        ("target", target, fed, "", "shorten the prompts or lower max_new_tokens"),
-        (
-            "draft",
-            draft,
-            fed + max_k - 1,
-            ", plus max_k - 1",
-            "shorten the prompts or lower max_new_tokens or max_k",
-        ),
-    ):
-        limit = position_limit(model)
-        if limit is not None and longest > limit:
-            raise ValueError(
-                f"the {name} embeds at most {limit} positions (learned absolute position "
-                f"embeddings), but the longest prompt plus max_new_tokens, less the last new "
-                f"token (never fed){extra}, needs {longest}: {lower}"
-            )
+    needs = "the longest prompt plus max_new_tokens, less the last new token (never fed)"
+    lower = "shorten the prompts or lower max_new_tokens"
+    check_position_table("the target", position_limit(target), fed, needs, lower)
+    check_position_table(
+        "the draft",
+        position_limit(draft),
+        fed + max_k - 1,
+        f"{needs}, plus max_k - 1",
+        f"{lower} or max_k",
+    )
 
 
 def _check_meta(meta: object) -> None:
